@@ -1,0 +1,1 @@
+//! prefixctl (in progress).

@@ -1,0 +1,199 @@
+//! `RoutingDiscovery.WatchRoutingTable`: xDS-style streaming of versioned routing tables.
+//!
+//! Per stream: the router's first message names it and the version it holds; if that is not the
+//! current version the full table goes out at once, then every new version (intermediate
+//! versions are skipped when a router is slow: each table is complete). Each response carries a
+//! nonce; the router ACKs or NACKs it, and [`NodeRegistry`] records per node the applied version,
+//! the last NACK and when it was last heard from. Tables are encoded once per version
+//! ([`crate::store::PublishedTable`]) and the same buffer goes to every watcher.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use proto::routing_discovery_server::RoutingDiscovery;
+use proto::{WatchRoutingTableRequest, WatchRoutingTableResponse};
+
+use crate::store::{now_unix_ms, PublishedTable, Store};
+
+/// How long a new stream may take to send its first message.
+const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the control plane knows of one data-plane node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// Last version the node ACKed (or reported holding when it connected).
+    pub applied_version: u64,
+    /// Open watch streams from this node.
+    pub streams: u32,
+    pub last_seen_unix_ms: i64,
+    /// Error detail of the last NACK, cleared by the next ACK.
+    pub last_nack: String,
+}
+
+/// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
+/// report their versions again.
+#[derive(Debug, Default)]
+pub struct NodeRegistry {
+    nodes: Mutex<HashMap<String, NodeStatus>>,
+}
+
+impl NodeRegistry {
+    fn update(&self, node_id: &str, f: impl FnOnce(&mut NodeStatus)) {
+        let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        let status = nodes.entry(node_id.to_string()).or_default();
+        status.last_seen_unix_ms = now_unix_ms();
+        f(status);
+    }
+
+    /// Every node seen since start, sorted by id.
+    pub fn snapshot(&self) -> Vec<(String, NodeStatus)> {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all: Vec<_> = nodes.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    /// Number of open watch streams.
+    pub fn connected_streams(&self) -> u32 {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        nodes.values().map(|s| s.streams).sum()
+    }
+}
+
+/// Decrements the node's stream count when a stream ends, however it ends.
+struct StreamGuard {
+    nodes: Arc<NodeRegistry>,
+    node_id: String,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.nodes.update(&self.node_id, |s| s.streams = s.streams.saturating_sub(1));
+    }
+}
+
+pub struct Discovery {
+    store: Arc<Store>,
+    nodes: Arc<NodeRegistry>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Discovery {
+    /// `shutdown` flips to true when the server stops: open streams then end, so graceful
+    /// shutdown does not wait on them forever.
+    pub fn new(store: Arc<Store>, nodes: Arc<NodeRegistry>, shutdown: watch::Receiver<bool>) -> Self {
+        Self { store, nodes, shutdown }
+    }
+}
+
+type ResponseTx = mpsc::Sender<Result<WatchRoutingTableResponse, Status>>;
+
+#[tonic::async_trait]
+impl RoutingDiscovery for Discovery {
+    type WatchRoutingTableStream = ReceiverStream<Result<WatchRoutingTableResponse, Status>>;
+
+    async fn watch_routing_table(
+        &self,
+        request: Request<Streaming<WatchRoutingTableRequest>>,
+    ) -> Result<Response<Self::WatchRoutingTableStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let session = Session {
+            tables: self.store.subscribe(),
+            nodes: self.nodes.clone(),
+            shutdown: self.shutdown.clone(),
+            tx,
+            nonce: 0,
+            pending: None,
+        };
+        tokio::spawn(session.run(inbound));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+struct Session {
+    tables: watch::Receiver<Arc<PublishedTable>>,
+    nodes: Arc<NodeRegistry>,
+    shutdown: watch::Receiver<bool>,
+    tx: ResponseTx,
+    nonce: u64,
+    /// Nonce and version of the last response sent, awaiting ACK/NACK.
+    pending: Option<(String, u64)>,
+}
+
+impl Session {
+    async fn run(mut self, mut inbound: Streaming<WatchRoutingTableRequest>) {
+        let first = match tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message()).await {
+            Ok(Ok(Some(m))) => m,
+            Ok(Ok(None)) | Ok(Err(_)) => return,
+            Err(_) => {
+                let _ = self.tx.send(Err(Status::deadline_exceeded("no first WatchRoutingTableRequest within 30 s"))).await;
+                return;
+            }
+        };
+        if first.node_id.is_empty() {
+            let _ = self.tx.send(Err(Status::invalid_argument("invalid node_id: must not be empty"))).await;
+            return;
+        }
+        let node_id = first.node_id;
+        self.nodes.update(&node_id, |s| {
+            s.streams += 1;
+            if first.applied_version > 0 {
+                s.applied_version = first.applied_version;
+            }
+        });
+        let _guard = StreamGuard { nodes: self.nodes.clone(), node_id: node_id.clone() };
+        tracing::debug!(node_id, applied_version = first.applied_version, "watcher connected");
+
+        let mut held = first.applied_version;
+        loop {
+            let current = self.tables.borrow_and_update().clone();
+            if current.version != held {
+                if !self.send(&current).await {
+                    return;
+                }
+                held = current.version;
+            }
+            tokio::select! {
+                changed = self.tables.changed() => if changed.is_err() { return },
+                _ = self.shutdown.changed() => return,
+                _ = self.tx.closed() => return,
+                msg = inbound.message() => match msg {
+                    Ok(Some(m)) => self.on_reply(&node_id, m),
+                    Ok(None) | Err(_) => return,
+                },
+            }
+        }
+    }
+
+    async fn send(&mut self, table: &PublishedTable) -> bool {
+        self.nonce += 1;
+        let nonce = self.nonce.to_string();
+        self.pending = Some((nonce.clone(), table.version));
+        let response = WatchRoutingTableResponse { version: table.version, nonce, routing_table: table.encoded.clone() };
+        self.tx.send(Ok(response)).await.is_ok()
+    }
+
+    fn on_reply(&mut self, node_id: &str, reply: WatchRoutingTableRequest) {
+        let answered = self.pending.as_ref().filter(|(nonce, _)| *nonce == reply.response_nonce).map(|(_, v)| *v);
+        self.nodes.update(node_id, |s| match answered {
+            Some(version) if reply.error_detail.is_empty() => {
+                s.applied_version = version;
+                s.last_nack.clear();
+            }
+            Some(version) => {
+                tracing::warn!(node_id, version, error = %reply.error_detail, "data plane rejected routing table");
+                s.last_nack = reply.error_detail.clone();
+            }
+            None => {}
+        });
+        if answered.is_some() {
+            self.pending = None;
+        }
+    }
+}

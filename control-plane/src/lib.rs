@@ -1,0 +1,146 @@
+//! prefix-router control plane.
+//!
+//! Map:
+//! - [`model`]: validation of API input into normalized stored shapes (errors name field and value).
+//! - [`store`]: sled-backed state (configs with every revision, endpoints, leased instances, the
+//!   routing-table version) and the routing table derived from it, published once per version.
+//! - [`service`]: the `ControlPlane` gRPC API over the store.
+//! - [`discovery`]: `RoutingDiscovery.WatchRoutingTable`, xDS-style push with nonces, ACK/NACK and
+//!   per-node rollout status.
+//!
+//! Invariants: every change that affects routing bumps the one routing-table version in the same
+//! sled transaction as the change and is flushed before the RPC returns; nothing is written before
+//! validation passes; the control plane is the only writer of its data dir (sled's file lock).
+
+pub mod discovery;
+pub mod model;
+pub mod service;
+pub mod store;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use discovery::{Discovery, NodeRegistry};
+use service::ControlPlaneService;
+use store::Store;
+
+/// Control-plane settings (also its command line).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "control-plane", version, about = "prefix-router control plane: endpoint configs in sled, routing tables streamed to data planes over gRPC")]
+pub struct Config {
+    /// Address to serve gRPC on.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Directory of the sled database (created if missing).
+    #[arg(long, default_value = "./.prefix-router/control-plane")]
+    pub data_dir: PathBuf,
+    /// How often expired instance leases are looked for, in milliseconds.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub lease_check_interval_ms: u64,
+}
+
+/// Opens the store, with an error that names the data dir.
+pub fn open_store(data_dir: &std::path::Path) -> anyhow::Result<Arc<Store>> {
+    std::fs::create_dir_all(data_dir).with_context(|| format!("cannot use data dir {}", data_dir.display()))?;
+    let store = Store::open(data_dir).with_context(|| format!("cannot open data dir {}", data_dir.display()))?;
+    Ok(Arc::new(store))
+}
+
+/// Serves the control plane on `listener` until `shutdown` resolves, then stops watch streams,
+/// drains in-flight calls and flushes the store.
+pub async fn serve(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let store = open_store(&config.data_dir)?;
+    serve_store(listener, store, Duration::from_millis(config.lease_check_interval_ms), shutdown).await
+}
+
+/// Like [`serve`], with a store the caller opened (embedded use, e.g. `prefixctl up`).
+pub async fn serve_store(
+    listener: TcpListener,
+    store: Arc<Store>,
+    lease_check_interval: Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let nodes = Arc::new(NodeRegistry::default());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+
+    let reaper = tokio::spawn(reap_leases(store.clone(), lease_check_interval, stop_rx.clone()));
+
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::v1::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building gRPC reflection service")?;
+
+    let local = listener.local_addr().ok();
+    tracing::info!(listen = ?local, "control plane serving");
+    let result = tonic::transport::Server::builder()
+        .add_service(proto::control_plane_server::ControlPlaneServer::new(ControlPlaneService::new(
+            store.clone(),
+            nodes.clone(),
+        )))
+        .add_service(proto::routing_discovery_server::RoutingDiscoveryServer::new(Discovery::new(
+            store.clone(),
+            nodes,
+            stop_rx,
+        )))
+        .add_service(reflection)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            shutdown.await;
+            // End the watch streams so the graceful drain does not wait on them.
+            let _ = stop_tx.send(true);
+        })
+        .await;
+    reaper.abort();
+    let flushed = store.flush();
+    result.context("gRPC server failed")?;
+    flushed.context("flushing the store")?;
+    tracing::info!("control plane stopped");
+    Ok(())
+}
+
+async fn reap_leases(store: Arc<Store>, every: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let s = store.clone();
+        match tokio::task::spawn_blocking(move || s.expire_leases(store::now_unix_ms())).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => tracing::info!(expired = n, "removed instances whose lease ran out"),
+            Ok(Err(e)) => tracing::error!(error = %e, "lease expiry failed"),
+            Err(e) => tracing::error!(error = %e, "lease expiry task failed"),
+        }
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}

@@ -1,0 +1,610 @@
+//! Durable state in sled, and the routing table derived from it.
+//!
+//! Trees (all values are encoded protobuf messages, keys are UTF-8 names unless noted):
+//! - `config_revisions`: `name \0 revision(u64 BE)` -> `EndpointConfig`; every revision stays.
+//! - `config_heads`: `name` -> latest revision (u64 BE).
+//! - `endpoints`: `name` -> `Endpoint`.
+//! - `instances`: `instance_id` -> `RegisteredInstance` (leased).
+//! - `meta`: `routing_table_version` -> u64 BE.
+//!
+//! Invariants:
+//! - One writer at a time (`write` mutex): a change reads what it needs, then commits all its
+//!   writes, including the routing-table version bump, in one multi-tree sled transaction, then
+//!   flushes before it returns. A `kill -9` at any point leaves either all of a change or none.
+//! - The routing-table version only grows; it is bumped exactly when what routers see changes.
+//! - The published table is rebuilt and encoded once per version, under the same mutex, so
+//!   watchers observe versions in order and share one buffer.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use prost::Message;
+use sled::transaction::{TransactionError, TransactionalTree};
+use sled::{Transactional, Tree};
+use tokio::sync::watch;
+
+use proto::{
+    Endpoint, EndpointConfig, EndpointRoutes, Instance, ProductionVariant, RegisteredInstance, RoutingTable,
+    VariantRoutes,
+};
+
+use crate::model::{self, InvalidField};
+
+const VERSION_KEY: &[u8] = b"routing_table_version";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Invalid(#[from] InvalidField),
+    #[error("{kind} {name:?} not found")]
+    NotFound { kind: &'static str, name: String },
+    #[error("{kind} {name:?} already exists")]
+    AlreadyExists { kind: &'static str, name: String },
+    #[error("variant {variant:?} not found in endpoint {endpoint:?} (config {config:?} revision {revision})")]
+    VariantNotFound { variant: String, endpoint: String, config: String, revision: u64 },
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("storage error: {0}")]
+    Storage(#[from] sled::Error),
+    #[error("corrupt record in {tree}: {source}")]
+    Corrupt { tree: &'static str, source: prost::DecodeError },
+}
+
+fn not_found(kind: &'static str, name: &str) -> StoreError {
+    StoreError::NotFound { kind, name: name.to_string() }
+}
+
+/// One routing-table version, encoded once and shared by every watcher.
+#[derive(Debug, Clone)]
+pub struct PublishedTable {
+    pub version: u64,
+    pub encoded: Bytes,
+}
+
+#[derive(Clone, Copy)]
+enum TreeId {
+    Configs,
+    Heads,
+    Endpoints,
+    Instances,
+    Meta,
+}
+
+/// One write of a change; a change's writes commit together.
+enum Op {
+    Put(TreeId, Vec<u8>, Vec<u8>),
+    Del(TreeId, Vec<u8>),
+}
+
+pub struct Store {
+    db: sled::Db,
+    configs: Tree,
+    heads: Tree,
+    endpoints: Tree,
+    instances: Tree,
+    meta: Tree,
+    write: Mutex<()>,
+    published: watch::Sender<Arc<PublishedTable>>,
+}
+
+/// Describes an endpoint as stored: its record, the config revision it routes with, and its
+/// registered instances.
+#[derive(Debug, Clone)]
+pub struct EndpointView {
+    pub endpoint: Endpoint,
+    pub config: EndpointConfig,
+    pub registered: Vec<RegisteredInstance>,
+    pub current_version: u64,
+}
+
+pub fn now_unix_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+fn revision_key(name: &str, revision: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(name.len() + 9);
+    k.extend_from_slice(name.as_bytes());
+    k.push(0);
+    k.extend_from_slice(&revision.to_be_bytes());
+    k
+}
+
+fn read_u64(bytes: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = bytes.len().min(8);
+    b[..n].copy_from_slice(&bytes[..n]);
+    u64::from_be_bytes(b)
+}
+
+fn decode<M: Message + Default>(tree: &'static str, bytes: &[u8]) -> Result<M, StoreError> {
+    M::decode(bytes).map_err(|source| StoreError::Corrupt { tree, source })
+}
+
+impl Store {
+    /// Opens (or creates) the store under `dir`. A fresh store starts at routing-table version 1
+    /// (an empty table), so a router that holds nothing (version 0) is always behind.
+    pub fn open(dir: &std::path::Path) -> Result<Self, StoreError> {
+        let db = sled::Config::new().path(dir).flush_every_ms(None).open()?;
+        let configs = db.open_tree("config_revisions")?;
+        let heads = db.open_tree("config_heads")?;
+        let endpoints = db.open_tree("endpoints")?;
+        let instances = db.open_tree("instances")?;
+        let meta = db.open_tree("meta")?;
+        if meta.get(VERSION_KEY)?.is_none() {
+            meta.insert(VERSION_KEY, &1u64.to_be_bytes())?;
+            db.flush()?;
+        }
+        let (published, _) = watch::channel(Arc::new(PublishedTable { version: 0, encoded: Bytes::new() }));
+        let store = Self { db, configs, heads, endpoints, instances, meta, write: Mutex::new(()), published };
+        {
+            let _guard = store.lock();
+            store.publish()?;
+        }
+        Ok(store)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ()> {
+        // A panic while holding the guard cannot leave sled half-written (transactions), so a
+        // poisoned lock is safe to take over.
+        self.write.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A receiver that always holds the latest published table.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<PublishedTable>> {
+        self.published.subscribe()
+    }
+
+    pub fn published(&self) -> Arc<PublishedTable> {
+        self.published.borrow().clone()
+    }
+
+    /// The current routing-table version.
+    pub fn version(&self) -> Result<u64, StoreError> {
+        Ok(self.meta.get(VERSION_KEY)?.map(|v| read_u64(&v)).unwrap_or(1))
+    }
+
+    /// Commits `ops` atomically (with `new_version` written in the same transaction when set),
+    /// flushes, and republishes the table if the version moved. Call with the write lock held.
+    fn commit(&self, mut ops: Vec<Op>, new_version: Option<u64>) -> Result<(), StoreError> {
+        if let Some(v) = new_version {
+            ops.push(Op::Put(TreeId::Meta, VERSION_KEY.to_vec(), v.to_be_bytes().to_vec()));
+        }
+        let result: Result<(), TransactionError<()>> =
+            (&self.configs, &self.heads, &self.endpoints, &self.instances, &self.meta).transaction(
+                |(c, h, e, i, m)| {
+                    let pick = |id: TreeId| -> &TransactionalTree {
+                        match id {
+                            TreeId::Configs => c,
+                            TreeId::Heads => h,
+                            TreeId::Endpoints => e,
+                            TreeId::Instances => i,
+                            TreeId::Meta => m,
+                        }
+                    };
+                    for op in &ops {
+                        match op {
+                            Op::Put(t, k, v) => {
+                                pick(*t).insert(k.as_slice(), v.as_slice())?;
+                            }
+                            Op::Del(t, k) => {
+                                pick(*t).remove(k.as_slice())?;
+                            }
+                        }
+                    }
+                    Ok(())
+                },
+            );
+        match result {
+            Ok(()) => {}
+            Err(TransactionError::Storage(e)) => return Err(e.into()),
+            Err(TransactionError::Abort(())) => unreachable!("the transaction never aborts"),
+        }
+        self.db.flush()?;
+        if new_version.is_some() {
+            self.publish()?;
+        }
+        Ok(())
+    }
+
+    fn publish(&self) -> Result<(), StoreError> {
+        let table = self.build_table()?;
+        let version = table.version;
+        let encoded = Bytes::from(table.encode_to_vec());
+        self.published.send_replace(Arc::new(PublishedTable { version, encoded }));
+        Ok(())
+    }
+
+    fn head(&self, name: &str) -> Result<Option<u64>, StoreError> {
+        Ok(self.heads.get(name.as_bytes())?.map(|v| read_u64(&v)))
+    }
+
+    fn config_at(&self, name: &str, revision: u64) -> Result<Option<EndpointConfig>, StoreError> {
+        self.configs.get(revision_key(name, revision))?.map(|v| decode("config_revisions", &v)).transpose()
+    }
+
+    fn latest_config(&self, name: &str) -> Result<Option<EndpointConfig>, StoreError> {
+        match self.head(name)? {
+            Some(rev) => self.config_at(name, rev),
+            None => Ok(None),
+        }
+    }
+
+    fn endpoint(&self, name: &str) -> Result<Option<Endpoint>, StoreError> {
+        self.endpoints.get(name.as_bytes())?.map(|v| decode("endpoints", &v)).transpose()
+    }
+
+    fn all_endpoints(&self) -> Result<Vec<Endpoint>, StoreError> {
+        self.endpoints.iter().values().map(|v| decode("endpoints", &v?)).collect()
+    }
+
+    fn all_instances(&self) -> Result<Vec<RegisteredInstance>, StoreError> {
+        self.instances.iter().values().map(|v| decode("instances", &v?)).collect()
+    }
+
+    /// Puts an endpoint record re-stamped with the version at which its routes changed.
+    fn touch_endpoint(mut e: Endpoint, version: u64, now: i64) -> Op {
+        e.routing_table_version = version;
+        e.last_modified_time_unix_ms = now;
+        Op::Put(TreeId::Endpoints, e.endpoint_name.clone().into_bytes(), e.encode_to_vec())
+    }
+
+    // ---- endpoint configs ----
+
+    pub fn create_config(&self, name: &str, variants: &[ProductionVariant]) -> Result<EndpointConfig, StoreError> {
+        model::validate_name("endpoint_config_name", name)?;
+        let variants = model::validate_variants(variants)?;
+        let _guard = self.lock();
+        if self.head(name)?.is_some() {
+            return Err(StoreError::AlreadyExists { kind: "endpoint config", name: name.into() });
+        }
+        let config = EndpointConfig {
+            endpoint_config_name: name.into(),
+            production_variants: variants,
+            revision: 1,
+            creation_time_unix_ms: now_unix_ms(),
+        };
+        self.commit(
+            vec![
+                Op::Put(TreeId::Configs, revision_key(name, 1), config.encode_to_vec()),
+                Op::Put(TreeId::Heads, name.as_bytes().to_vec(), 1u64.to_be_bytes().to_vec()),
+            ],
+            None,
+        )?;
+        Ok(config)
+    }
+
+    /// Writes a new revision. Returns it and the routing-table version it produced (0 when no
+    /// endpoint routes with this config, so routers see nothing new).
+    pub fn update_config(
+        &self,
+        name: &str,
+        variants: &[ProductionVariant],
+        expected_revision: Option<u64>,
+    ) -> Result<(EndpointConfig, u64), StoreError> {
+        model::validate_name("endpoint_config_name", name)?;
+        let variants = model::validate_variants(variants)?;
+        let _guard = self.lock();
+        let head = self.head(name)?.ok_or_else(|| not_found("endpoint config", name))?;
+        if let Some(expected) = expected_revision {
+            if expected != head {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "endpoint config {name:?} is at revision {head}, not the expected_revision {expected}"
+                )));
+            }
+        }
+        let now = now_unix_ms();
+        let revision = head + 1;
+        let config = EndpointConfig {
+            endpoint_config_name: name.into(),
+            production_variants: variants,
+            revision,
+            creation_time_unix_ms: now,
+        };
+        let mut ops = vec![
+            Op::Put(TreeId::Configs, revision_key(name, revision), config.encode_to_vec()),
+            Op::Put(TreeId::Heads, name.as_bytes().to_vec(), revision.to_be_bytes().to_vec()),
+        ];
+        let users: Vec<Endpoint> =
+            self.all_endpoints()?.into_iter().filter(|e| e.endpoint_config_name == name).collect();
+        let new_version = if users.is_empty() { None } else { Some(self.version()? + 1) };
+        if let Some(v) = new_version {
+            ops.extend(users.into_iter().map(|e| Self::touch_endpoint(e, v, now)));
+        }
+        self.commit(ops, new_version)?;
+        Ok((config, new_version.unwrap_or(0)))
+    }
+
+    /// The config at `revision` (latest when `None`), its latest revision, and the endpoints
+    /// that route with it.
+    pub fn describe_config(
+        &self,
+        name: &str,
+        revision: Option<u64>,
+    ) -> Result<(EndpointConfig, u64, Vec<String>), StoreError> {
+        let _guard = self.lock();
+        let head = self.head(name)?.ok_or_else(|| not_found("endpoint config", name))?;
+        let rev = revision.unwrap_or(head);
+        let config = self
+            .config_at(name, rev)?
+            .ok_or_else(|| not_found("endpoint config revision", &format!("{name}@{rev}")))?;
+        let users = self
+            .all_endpoints()?
+            .into_iter()
+            .filter(|e| e.endpoint_config_name == name)
+            .map(|e| e.endpoint_name)
+            .collect();
+        Ok((config, head, users))
+    }
+
+    pub fn list_configs(&self) -> Result<Vec<EndpointConfig>, StoreError> {
+        let _guard = self.lock();
+        let mut out = Vec::new();
+        for kv in self.heads.iter() {
+            let (k, v) = kv?;
+            let name = String::from_utf8_lossy(&k).into_owned();
+            if let Some(c) = self.config_at(&name, read_u64(&v))? {
+                out.push(c);
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn delete_config(&self, name: &str) -> Result<(), StoreError> {
+        let _guard = self.lock();
+        self.head(name)?.ok_or_else(|| not_found("endpoint config", name))?;
+        let users: Vec<String> = self
+            .all_endpoints()?
+            .into_iter()
+            .filter(|e| e.endpoint_config_name == name)
+            .map(|e| e.endpoint_name)
+            .collect();
+        if !users.is_empty() {
+            return Err(StoreError::FailedPrecondition(format!(
+                "endpoint config {name:?} is used by endpoint(s) {users:?}; point them elsewhere or delete them first"
+            )));
+        }
+        let mut prefix = name.as_bytes().to_vec();
+        prefix.push(0);
+        let mut ops = vec![Op::Del(TreeId::Heads, name.as_bytes().to_vec())];
+        for k in self.configs.scan_prefix(&prefix).keys() {
+            ops.push(Op::Del(TreeId::Configs, k?.to_vec()));
+        }
+        self.commit(ops, None)
+    }
+
+    // ---- endpoints ----
+
+    pub fn create_endpoint(&self, name: &str, config_name: &str) -> Result<Endpoint, StoreError> {
+        model::validate_name("endpoint_name", name)?;
+        model::validate_name("endpoint_config_name", config_name)?;
+        let _guard = self.lock();
+        if self.endpoint(name)?.is_some() {
+            return Err(StoreError::AlreadyExists { kind: "endpoint", name: name.into() });
+        }
+        self.head(config_name)?.ok_or_else(|| not_found("endpoint config", config_name))?;
+        let now = now_unix_ms();
+        let version = self.version()? + 1;
+        let endpoint = Endpoint {
+            endpoint_name: name.into(),
+            endpoint_config_name: config_name.into(),
+            creation_time_unix_ms: now,
+            last_modified_time_unix_ms: now,
+            routing_table_version: version,
+        };
+        self.commit(vec![Self::touch_endpoint(endpoint.clone(), version, now)], Some(version))?;
+        Ok(endpoint)
+    }
+
+    pub fn update_endpoint(&self, name: &str, config_name: &str) -> Result<Endpoint, StoreError> {
+        model::validate_name("endpoint_config_name", config_name)?;
+        let _guard = self.lock();
+        let mut endpoint = self.endpoint(name)?.ok_or_else(|| not_found("endpoint", name))?;
+        self.head(config_name)?.ok_or_else(|| not_found("endpoint config", config_name))?;
+        let now = now_unix_ms();
+        let version = self.version()? + 1;
+        endpoint.endpoint_config_name = config_name.into();
+        endpoint.routing_table_version = version;
+        endpoint.last_modified_time_unix_ms = now;
+        self.commit(vec![Self::touch_endpoint(endpoint.clone(), version, now)], Some(version))?;
+        Ok(endpoint)
+    }
+
+    pub fn describe_endpoint(&self, name: &str) -> Result<EndpointView, StoreError> {
+        let _guard = self.lock();
+        let endpoint = self.endpoint(name)?.ok_or_else(|| not_found("endpoint", name))?;
+        let config = self
+            .latest_config(&endpoint.endpoint_config_name)?
+            .ok_or_else(|| not_found("endpoint config", &endpoint.endpoint_config_name))?;
+        let registered = self.all_instances()?.into_iter().filter(|i| i.endpoint_name == name).collect();
+        Ok(EndpointView { endpoint, config, registered, current_version: self.version()? })
+    }
+
+    pub fn list_endpoints(&self) -> Result<Vec<Endpoint>, StoreError> {
+        let _guard = self.lock();
+        self.all_endpoints()
+    }
+
+    /// Deletes the endpoint and its registered instances.
+    pub fn delete_endpoint(&self, name: &str) -> Result<(), StoreError> {
+        let _guard = self.lock();
+        self.endpoint(name)?.ok_or_else(|| not_found("endpoint", name))?;
+        let mut ops = vec![Op::Del(TreeId::Endpoints, name.as_bytes().to_vec())];
+        for inst in self.all_instances()?.into_iter().filter(|i| i.endpoint_name == name) {
+            ops.push(Op::Del(TreeId::Instances, inst.instance_id.into_bytes()));
+        }
+        let version = self.version()? + 1;
+        self.commit(ops, Some(version))
+    }
+
+    // ---- registered instances ----
+
+    /// Registers a model server for a variant of an endpoint, with a lease. Registering an
+    /// address that is already registered there renews its lease and returns the same id.
+    pub fn register_instance(
+        &self,
+        endpoint_name: &str,
+        variant_name: &str,
+        address: &str,
+        lease_ttl_seconds: u32,
+    ) -> Result<RegisteredInstance, StoreError> {
+        let address = model::normalize_instance_url("address", address)?;
+        let ttl = model::validate_lease_ttl("lease_ttl_seconds", lease_ttl_seconds)?;
+        let _guard = self.lock();
+        let endpoint = self.endpoint(endpoint_name)?.ok_or_else(|| not_found("endpoint", endpoint_name))?;
+        let config = self
+            .latest_config(&endpoint.endpoint_config_name)?
+            .ok_or_else(|| not_found("endpoint config", &endpoint.endpoint_config_name))?;
+        if !config.production_variants.iter().any(|v| v.variant_name == variant_name) {
+            return Err(StoreError::VariantNotFound {
+                variant: variant_name.into(),
+                endpoint: endpoint_name.into(),
+                config: config.endpoint_config_name,
+                revision: config.revision,
+            });
+        }
+        let now = now_unix_ms();
+        let expires = now + i64::from(ttl) * 1000;
+        let existing = self.all_instances()?.into_iter().find(|i| {
+            i.endpoint_name == endpoint_name && i.variant_name == variant_name && i.address == address
+        });
+        if let Some(mut inst) = existing {
+            inst.lease_ttl_seconds = ttl;
+            inst.lease_expires_unix_ms = expires;
+            self.commit(vec![Op::Put(TreeId::Instances, inst.instance_id.clone().into_bytes(), inst.encode_to_vec())], None)?;
+            return Ok(inst);
+        }
+        let inst = RegisteredInstance {
+            instance_id: uuid::Uuid::new_v4().to_string(),
+            endpoint_name: endpoint_name.into(),
+            variant_name: variant_name.into(),
+            address,
+            lease_ttl_seconds: ttl,
+            lease_expires_unix_ms: expires,
+        };
+        let version = self.version()? + 1;
+        self.commit(
+            vec![
+                Op::Put(TreeId::Instances, inst.instance_id.clone().into_bytes(), inst.encode_to_vec()),
+                Self::touch_endpoint(endpoint, version, now),
+            ],
+            Some(version),
+        )?;
+        Ok(inst)
+    }
+
+    pub fn renew_lease(&self, instance_id: &str) -> Result<RegisteredInstance, StoreError> {
+        let _guard = self.lock();
+        let mut inst: RegisteredInstance = self
+            .instances
+            .get(instance_id.as_bytes())?
+            .map(|v| decode("instances", &v))
+            .transpose()?
+            .ok_or_else(|| not_found("instance", instance_id))?;
+        inst.lease_expires_unix_ms = now_unix_ms() + i64::from(inst.lease_ttl_seconds) * 1000;
+        self.commit(vec![Op::Put(TreeId::Instances, instance_id.as_bytes().to_vec(), inst.encode_to_vec())], None)?;
+        Ok(inst)
+    }
+
+    pub fn deregister_instance(&self, instance_id: &str) -> Result<(), StoreError> {
+        let _guard = self.lock();
+        let inst: RegisteredInstance = self
+            .instances
+            .get(instance_id.as_bytes())?
+            .map(|v| decode("instances", &v))
+            .transpose()?
+            .ok_or_else(|| not_found("instance", instance_id))?;
+        self.remove_instances(vec![inst])
+    }
+
+    /// Removes every instance whose lease ran out before `now_ms`; returns how many.
+    pub fn expire_leases(&self, now_ms: i64) -> Result<usize, StoreError> {
+        let _guard = self.lock();
+        let expired: Vec<_> =
+            self.all_instances()?.into_iter().filter(|i| i.lease_expires_unix_ms < now_ms).collect();
+        let n = expired.len();
+        if n > 0 {
+            self.remove_instances(expired)?;
+        }
+        Ok(n)
+    }
+
+    /// With the write lock held: deletes instances and re-stamps their endpoints, one version.
+    fn remove_instances(&self, gone: Vec<RegisteredInstance>) -> Result<(), StoreError> {
+        let now = now_unix_ms();
+        let version = self.version()? + 1;
+        let mut ops = Vec::new();
+        let mut touched = std::collections::BTreeSet::new();
+        for inst in gone {
+            touched.insert(inst.endpoint_name.clone());
+            ops.push(Op::Del(TreeId::Instances, inst.instance_id.into_bytes()));
+        }
+        for name in touched {
+            if let Some(e) = self.endpoint(&name)? {
+                ops.push(Self::touch_endpoint(e, version, now));
+            }
+        }
+        self.commit(ops, Some(version))
+    }
+
+    // ---- the routing table ----
+
+    /// Builds the full table from what is stored. Call with the write lock held so that the
+    /// state and the version belong together.
+    fn build_table(&self) -> Result<RoutingTable, StoreError> {
+        let version = self.version()?;
+        let mut instances = self.all_instances()?;
+        // Registered instances join after the static ones, in address order.
+        instances.sort_by(|a, b| a.address.cmp(&b.address));
+        let mut endpoints = Vec::new();
+        for endpoint in self.all_endpoints()? {
+            let Some(config) = self.latest_config(&endpoint.endpoint_config_name)? else { continue };
+            let variants = config
+                .production_variants
+                .into_iter()
+                .map(|v| {
+                    let mut list: Vec<Instance> = v
+                        .instances
+                        .iter()
+                        .map(|a| Instance { instance_id: a.clone(), address: a.clone() })
+                        .collect();
+                    for r in instances.iter().filter(|r| {
+                        r.endpoint_name == endpoint.endpoint_name && r.variant_name == v.variant_name
+                    }) {
+                        if !list.iter().any(|i| i.address == r.address) {
+                            list.push(Instance { instance_id: r.instance_id.clone(), address: r.address.clone() });
+                        }
+                    }
+                    VariantRoutes {
+                        variant_name: v.variant_name,
+                        model_name: v.model_name,
+                        weight: v.initial_variant_weight.unwrap_or(1.0),
+                        routing_config: v.routing_config,
+                        instances: list,
+                    }
+                })
+                .collect();
+            endpoints.push(EndpointRoutes {
+                endpoint_name: endpoint.endpoint_name,
+                endpoint_config_name: config.endpoint_config_name,
+                endpoint_config_revision: config.revision,
+                variants,
+            });
+        }
+        Ok(RoutingTable { version, endpoints })
+    }
+
+    /// The table at the current version, decoded (for tests and tools).
+    pub fn routing_table(&self) -> Result<RoutingTable, StoreError> {
+        let _guard = self.lock();
+        self.build_table()
+    }
+}
+
+impl Store {
+    /// Flushes sled to disk (each change already does; this is for shutdown).
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,1 @@
+//! prefix-router data plane (in progress).

@@ -1,0 +1,151 @@
+//! Shared helpers for the integration tests: start the real servers (in-process on
+//! `127.0.0.1:0`, or as child processes of the built binaries) and build API requests.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use proto::control_plane_client::ControlPlaneClient;
+use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy};
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+/// A control plane running in this process on a loopback port.
+pub struct InProcessControlPlane {
+    pub addr: SocketAddr,
+    pub url: String,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl InProcessControlPlane {
+    pub async fn start(data_dir: &Path) -> Self {
+        Self::start_with_lease_check(data_dir, Duration::from_millis(1000)).await
+    }
+
+    pub async fn start_with_lease_check(data_dir: &Path, lease_check: Duration) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+        let addr = listener.local_addr().unwrap();
+        let store = control_plane::open_store(data_dir).expect("open store");
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(control_plane::serve_store(listener, store, lease_check, async move {
+            let _ = rx.await;
+        }));
+        Self { addr, url: format!("http://{addr}"), shutdown: Some(tx), handle: Some(handle) }
+    }
+
+    pub async fn client(&self) -> ControlPlaneClient<Channel> {
+        ControlPlaneClient::connect(self.url.clone()).await.expect("connect to control plane")
+    }
+
+    /// Graceful stop; returns the server's result.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match self.handle.take() {
+            Some(h) => h.await?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for InProcessControlPlane {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Path of a workspace binary built next to the test executable (`cargo build --workspace` first).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let path = dir.join(name);
+    assert!(path.exists(), "{} is not built: run `cargo build --workspace --bins` before the tests", path.display());
+    path
+}
+
+/// A server binary running as a child process; killed on drop.
+pub struct ChildServer {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl ChildServer {
+    /// Starts `bin` with `args` plus `--listen 127.0.0.1:0` and waits for its
+    /// `NAME listening on ADDR` line on stderr.
+    pub fn start(name: &str, args: &[&str]) -> anyhow::Result<Self> {
+        use std::io::{BufRead, BufReader};
+        let mut child = Command::new(bin(name))
+            .args(args)
+            .args(["--listen", "127.0.0.1:0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let stderr = child.stderr.take().expect("piped stderr");
+        let mut lines = BufReader::new(stderr).lines();
+        let needle = format!("{name} listening on ");
+        for line in lines.by_ref() {
+            let line = line?;
+            if let Some(rest) = line.split(&needle).nth(1) {
+                let addr: SocketAddr = rest.trim().parse()?;
+                // Keep draining stderr so the child never blocks on a full pipe.
+                std::thread::spawn(move || for _ in lines {});
+                return Ok(Self { child, addr });
+            }
+        }
+        let status = child.wait()?;
+        anyhow::bail!("{name} exited ({status}) before it listened")
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// SIGKILL: no chance to flush or clean up.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A production variant with the given strategy over `instances`.
+pub fn variant(name: &str, strategy: RoutingStrategy, instances: &[&str]) -> ProductionVariant {
+    ProductionVariant {
+        variant_name: name.into(),
+        model_name: "llama".into(),
+        initial_variant_weight: Some(1.0),
+        routing_config: Some(RoutingConfig {
+            routing_strategy: strategy as i32,
+            prefix_aware_routing_config: (strategy == RoutingStrategy::PrefixAware)
+                .then_some(PrefixAwareRoutingConfig { prefix_length: 2048, concurrency_threshold: 64 }),
+        }),
+        instances: instances.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+/// Polls `check` until it returns `Some`, failing after `limit`.
+pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

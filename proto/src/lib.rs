@@ -1,0 +1,65 @@
+//! The `prefixrouter.v1` gRPC API: generated prost messages and tonic clients/servers.
+//!
+//! Wire types stop at crate boundaries: the control plane and the data plane each convert them
+//! once into validated domain types.
+
+#![allow(clippy::large_enum_variant)]
+
+/// Generated code for package `prefixrouter.v1`.
+pub mod v1 {
+    tonic::include_proto!("prefixrouter.v1");
+
+    /// Encoded `FileDescriptorSet` for gRPC server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("prefixrouter_descriptor");
+}
+
+pub use v1::*;
+
+impl RoutingStrategy {
+    /// The name users type (`RANDOM`, `LEAST_OUTSTANDING_REQUESTS`, `PREFIX_AWARE`).
+    pub fn user_name(self) -> &'static str {
+        match self {
+            RoutingStrategy::Unspecified | RoutingStrategy::Random => "RANDOM",
+            RoutingStrategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
+            RoutingStrategy::PrefixAware => "PREFIX_AWARE",
+        }
+    }
+
+    /// Parses a user-typed name; accepts the proto names too.
+    pub fn from_user_name(name: &str) -> Option<Self> {
+        let name = name.trim();
+        let short = name.strip_prefix("ROUTING_STRATEGY_").unwrap_or(name);
+        match short.to_ascii_uppercase().as_str() {
+            "RANDOM" => Some(RoutingStrategy::Random),
+            "LEAST_OUTSTANDING_REQUESTS" => Some(RoutingStrategy::LeastOutstandingRequests),
+            "PREFIX_AWARE" => Some(RoutingStrategy::PrefixAware),
+            _ => None,
+        }
+    }
+
+    /// Every user-typed name, for error messages.
+    pub const USER_NAMES: &'static str = "RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    #[test]
+    fn strategy_names_round_trip() {
+        for s in [RoutingStrategy::Random, RoutingStrategy::LeastOutstandingRequests, RoutingStrategy::PrefixAware] {
+            assert_eq!(RoutingStrategy::from_user_name(s.user_name()), Some(s));
+        }
+        assert_eq!(RoutingStrategy::from_user_name("ROUTING_STRATEGY_PREFIX_AWARE"), Some(RoutingStrategy::PrefixAware));
+        assert_eq!(RoutingStrategy::from_user_name("PREFIX_AWAR"), None);
+    }
+
+    #[test]
+    fn encoded_table_decodes_from_watch_response() {
+        let table = RoutingTable { version: 7, endpoints: vec![EndpointRoutes { endpoint_name: "e".into(), ..Default::default() }] };
+        let resp = WatchRoutingTableResponse { version: 7, nonce: "n".into(), routing_table: table.encode_to_vec().into() };
+        let back = RoutingTable::decode(resp.routing_table).unwrap();
+        assert_eq!(back, table);
+    }
+}
