@@ -1,1 +1,40 @@
-//! engine-sim (in progress).
+//! `engine-sim`: a vLLM-like simulated model server with a real prefix KV cache, so a whole
+//! fleet of "LLM inference servers" runs on a laptop and routing strategies can be compared
+//! honestly. A router cannot tell it from a real OpenAI-compatible server; its timing and cache
+//! behaviour follow vLLM's mechanics (automatic prefix caching, FIFO admission, shared prefill).
+//!
+//! Map:
+//! - [`config`]: [`Config`], the binary's flags (clap) and the in-process configuration.
+//! - [`prompt`]: the canonical prompt text of a request, **shared with the router**
+//!   ([`canonical_prompt`], zero-copy [`visit_canonical_prompt`]), and request validation.
+//! - [`kv_cache`]: the pure prefix-cache model: chained block hashes, pinning, LRU eviction.
+//! - [`engine`]: the timing model (admission, prefill lane, decode steps) and counters
+//!   ([`Engine`], [`Stats`]).
+//! - `metrics`: Prometheus exposition with vLLM's metric names.
+//! - `openai`: response bodies and SSE framing; `server`: HTTP routes and graceful shutdown
+//!   ([`serve`], [`serve_engine`]).
+//!
+//! Invariants:
+//! - Nothing is persisted: all state is in memory and dies with the engine.
+//! - The cache never exceeds its capacity and never evicts a block a running request pins;
+//!   lookups cost O(blocks of the prompt), never a scan of the cache.
+//! - No lock is held across an `.await`; waiting is done on tokio timers (no polling loops).
+//! - No input makes the server panic: bad requests get an OpenAI-style 400/404/405/413.
+//! - Nothing is logged at info level per request.
+
+pub mod config;
+pub mod engine;
+pub mod kv_cache;
+mod metrics;
+mod openai;
+pub mod prompt;
+mod server;
+
+pub use config::Config;
+pub use engine::{Engine, Sequence, Stats};
+pub use kv_cache::{BlockHasher, PrefixCache, PromptBlocks};
+pub use prompt::{canonical_prompt, canonical_prompt_for, visit_canonical_prompt, ApiKind};
+pub use server::{serve, serve_engine};
+
+/// Bytes of prompt text that make one token (rounded up).
+pub const BYTES_PER_TOKEN: usize = 4;

@@ -1,1 +1,90 @@
-fn main() {}
+//! The `engine-sim` binary: flags, logging, listening socket, signals. All else is the library.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use engine_sim::Config;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let config = Config::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("engine-sim: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(config))
+}
+
+async fn run(config: Config) -> ExitCode {
+    let listener = match tokio::net::TcpListener::bind(&config.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!(
+                "engine-sim: cannot listen on {}: {}",
+                config.listen,
+                without_os_code(&e)
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    match listener.local_addr() {
+        Ok(addr) => tracing::info!(%addr, model = %config.model_name, "engine-sim listening"),
+        Err(e) => tracing::info!(error = %e, "engine-sim listening (address unknown)"),
+    }
+    match engine_sim::serve(listener, config, shutdown_signal()).await {
+        Ok(()) => {
+            tracing::info!("engine-sim stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("engine-sim: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// "Address already in use (os error 98)" -> "Address already in use".
+fn without_os_code(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" (os error ") {
+        Some(i) if s.ends_with(')') => s[..i].to_owned(),
+        _ => s,
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("shutdown signal received, draining");
+}

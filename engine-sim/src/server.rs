@@ -1,0 +1,402 @@
+//! The HTTP/1 server: routes, body limits, errors, streaming, graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{HeaderValue, ALLOW, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::engine::Engine;
+use crate::kv_cache::BlockHasher;
+use crate::openai::{self, Filler, ResponseMeta, StreamEncoder, Usage};
+use crate::prompt::{self, ApiKind, InvalidRequest};
+use crate::Config;
+
+/// How long a graceful shutdown waits for in-flight responses before giving up on them.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves the OpenAI-compatible API, `/metrics`, `/health` and `/v1/models` of a new engine
+/// on `listener` until `shutdown` completes, then stops accepting and drains in-flight
+/// responses (at most 30 s).
+pub async fn serve(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    serve_engine(listener, Engine::new(config), shutdown).await
+}
+
+/// [`serve`] for an engine the caller keeps a handle on (to read [`Engine::stats`]).
+pub async fn serve_engine(
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let graceful = GracefulShutdown::new();
+    let mut http = http1::Builder::new();
+    // No header read timeout: it would also close idle keep-alive connections after 30 s, and a
+    // router's pool would then race the close (a request on a connection the server is closing).
+    // Idle connections cost nothing here and graceful shutdown closes them.
+    http.header_read_timeout(None);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    let engine = Arc::clone(&engine);
+                    let service = service_fn(move |req| {
+                        let engine = Arc::clone(&engine);
+                        async move { Ok::<_, Infallible>(route(&engine, req).await) }
+                    });
+                    let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            debug!(error = %e, "connection closed with an error");
+                        }
+                    });
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!("graceful shutdown: gave up on responses still running after {DRAIN_TIMEOUT:?}");
+    }
+    Ok(())
+}
+
+/// Response bodies: a whole buffer, or SSE events produced by a request's task.
+pub(crate) enum ResponseBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            ResponseBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ResponseBody::Stream(rx) => rx.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, ResponseBody::Full(None))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ResponseBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ResponseBody::Full(None) => SizeHint::with_exact(0),
+            ResponseBody::Stream(_) => SizeHint::default(),
+        }
+    }
+}
+
+fn response(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<ResponseBody> {
+    let mut r = Response::new(ResponseBody::Full(Some(body)));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<ResponseBody> {
+    response(status, "application/json", body)
+}
+
+fn error(
+    status: StatusCode,
+    kind: &str,
+    message: &str,
+    param: Option<&str>,
+) -> Response<ResponseBody> {
+    json_response(status, openai::error_body(message, kind, param))
+}
+
+fn invalid(e: &InvalidRequest) -> Response<ResponseBody> {
+    error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        &e.message,
+        e.param.as_deref(),
+    )
+}
+
+fn method_not_allowed(method: &Method, path: &str, allow: &'static str) -> Response<ResponseBody> {
+    let mut r = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        &format!("method {method} is not allowed on {path} (allowed: {allow})"),
+        None,
+    );
+    r.headers_mut()
+        .insert(ALLOW, HeaderValue::from_static(allow));
+    r
+}
+
+async fn route(engine: &Arc<Engine>, req: Request<Incoming>) -> Response<ResponseBody> {
+    let method = req.method();
+    let get = method == Method::GET || method == Method::HEAD;
+    match req.uri().path() {
+        "/v1/chat/completions" if method == Method::POST => {
+            completion(engine, ApiKind::Chat, req).await
+        }
+        "/v1/completions" if method == Method::POST => {
+            completion(engine, ApiKind::Completions, req).await
+        }
+        "/health" if get => response(StatusCode::OK, "text/plain", Bytes::new()),
+        "/metrics" if get => response(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            Bytes::from(crate::metrics::render(engine)),
+        ),
+        "/v1/models" if get => models(engine),
+        path @ ("/v1/chat/completions" | "/v1/completions") => {
+            method_not_allowed(method, path, "POST")
+        }
+        path @ ("/health" | "/metrics" | "/v1/models") => {
+            method_not_allowed(method, path, "GET, HEAD")
+        }
+        path => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            &format!("unknown path {path:?} (this server has /v1/chat/completions, /v1/completions, /v1/models, /metrics, /health)"),
+            None,
+        ),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn models(engine: &Engine) -> Response<ResponseBody> {
+    let c = engine.config();
+    let body = json!({
+        "object": "list",
+        "data": [{
+            "id": c.model_name,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "engine-sim",
+            "root": c.model_name,
+            "parent": null,
+            "max_model_len": c.max_model_len,
+        }],
+    });
+    json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// Reads the whole body, refusing more than `limit` bytes with 413.
+async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<ResponseBody>> {
+    let too_large = || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            &format!("request body is larger than the limit of {limit} bytes"),
+            None,
+        )
+    };
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("could not read the request body: {e}"),
+            None,
+        )),
+    }
+}
+
+async fn completion(
+    engine: &Arc<Engine>,
+    kind: ApiKind,
+    req: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let n = engine.count_request();
+    let config = engine.config();
+    let raw = match read_body(req, config.max_body_bytes).await {
+        Ok(b) => b,
+        Err(resp) => return resp,
+    };
+    if config.stall_ms > 0.0 {
+        tokio::time::sleep(config.scaled_ms(config.stall_ms)).await;
+    }
+    if engine.should_fail(n) {
+        engine
+            .counters
+            .failures_injected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            &format!(
+                "engine-sim: injected failure (--fail-rate {})",
+                config.fail_rate
+            ),
+            None,
+        );
+    }
+    let body: Value = match serde_json::from_slice(&raw) {
+        Ok(v) => v,
+        Err(e) => {
+            return invalid(&InvalidRequest {
+                message: format!("request body is not valid JSON: {e}"),
+                param: None,
+            })
+        }
+    };
+    let params = match prompt::parse_params(&body) {
+        Ok(p) => p,
+        Err(e) => return invalid(&e),
+    };
+    let mut hasher = BlockHasher::new(config.block_bytes());
+    if let Err(e) = prompt::visit_canonical_prompt(kind, &body, |p| hasher.update(p.as_bytes())) {
+        return invalid(&e);
+    }
+    let prompt = hasher.finish();
+    let prompt_tokens = prompt.prompt_tokens();
+    let max_tokens = params.max_tokens;
+    if prompt_tokens.saturating_add(max_tokens) > config.max_model_len {
+        let param = match kind {
+            ApiKind::Chat => "messages",
+            ApiKind::Completions => "prompt",
+        };
+        return invalid(&InvalidRequest::new(
+            param,
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} \
+                 tokens ({prompt_tokens} in the {param}, {max_tokens} in the completion). \
+                 Please reduce the length of the {param} or completion.",
+                config.max_model_len,
+                prompt_tokens.saturating_add(max_tokens),
+            ),
+        ));
+    }
+
+    let id = format!(
+        "{}{:016x}{:016x}",
+        openai::id_prefix(kind),
+        engine.draw(n, 1),
+        engine.draw(n, 2)
+    );
+    let meta = ResponseMeta {
+        kind,
+        id: &id,
+        created: unix_now(),
+        model: params.model.unwrap_or(&config.model_name),
+    };
+    let filler_seed = xxh3_64_with_seed(&prompt.prompt_hash.to_le_bytes(), config.seed);
+
+    if params.stream {
+        let encoder = StreamEncoder::new(&meta);
+        let (tx, rx) = mpsc::channel::<Bytes>(8);
+        let engine = Arc::clone(engine);
+        tokio::spawn(async move {
+            let produce = async {
+                let mut seq = engine.admit(prompt).await;
+                let mut filler = Filler::new(filler_seed);
+                seq.first_token().await;
+                if tx
+                    .send(encoder.token(&mut filler, 0, max_tokens))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                for i in 1..max_tokens {
+                    seq.next_token().await;
+                    if tx
+                        .send(encoder.token(&mut filler, i, max_tokens))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                let usage = Usage {
+                    prompt_tokens,
+                    completion_tokens: max_tokens,
+                    cached_tokens: seq.cached_tokens(),
+                };
+                // Free the slot before the client sees the end, so gauges read after a
+                // complete response are settled.
+                seq.finish();
+                let _ = tx.send(encoder.usage_and_done(usage)).await;
+            };
+            // A client that goes away aborts the request, releasing its slot and blocks.
+            tokio::select! {
+                () = produce => {}
+                () = tx.closed() => {}
+            }
+        });
+        let mut r = Response::new(ResponseBody::Stream(rx));
+        let h = r.headers_mut();
+        h.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return r;
+    }
+
+    // Non-streaming: if the client goes away hyper drops this future, and `seq` with it.
+    let mut seq = engine.admit(prompt).await;
+    seq.first_token().await;
+    if max_tokens > 1 {
+        seq.next_tokens(max_tokens - 1).await;
+    }
+    let usage = Usage {
+        prompt_tokens,
+        completion_tokens: max_tokens,
+        cached_tokens: seq.cached_tokens(),
+    };
+    seq.finish();
+    let text = Filler::new(filler_seed).text(max_tokens);
+    json_response(StatusCode::OK, openai::full_response(&meta, text, usage))
+}
