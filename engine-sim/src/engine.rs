@@ -10,7 +10,10 @@
 //! 3. When its prefill ends, all its full blocks enter the cache (pinned until it finishes);
 //!    its first token comes `ttft_overhead` later.
 //! 4. Then one token every `itl * (1 + itl_batch_factor * running)`.
-//! 5. When it finishes or its client goes away, its blocks are unpinned and its slot freed.
+//! 5. When a chat request has produced all its tokens, the blocks of its prompt followed by
+//!    `assistant\n` and the generated text are cached too (vLLM keeps generated tokens' KV), so
+//!    the next turn of the conversation, which resends the answer, hits it.
+//! 6. When it finishes or its client goes away, its blocks are unpinned and its slot freed.
 //!
 //! Every duration is multiplied by `time_scale`. Waiting uses tokio timers on computed deadlines;
 //! the lock guards only bookkeeping and is never held across an `.await`.
@@ -290,6 +293,19 @@ impl Sequence {
             .next_token_at
             .checked_add(total)
             .unwrap_or(self.next_token_at);
+    }
+
+    /// Caches the blocks of the prompt followed by the generated text, as vLLM keeps the KV of
+    /// generated tokens: `extended` must be the digest of this prompt's bytes plus more bytes
+    /// (so its leading hashes are this prompt's). The blocks stay pinned until the request ends.
+    pub fn cache_output(&mut self, extended: PromptBlocks) {
+        if !self.inserted || extended.hashes.len() <= self.hashes.len() {
+            return;
+        }
+        debug_assert_eq!(extended.hashes[..self.hashes.len()], self.hashes[..]);
+        let mut s = self.engine.lock();
+        self.pinned = s.cache.insert_and_pin(&extended.hashes, self.pinned);
+        self.hashes = extended.hashes;
     }
 
     /// Marks the request as complete (counted in `vllm:request_success_total`) and frees it.

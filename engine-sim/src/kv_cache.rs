@@ -21,7 +21,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Cuts a prompt, fed in pieces, into chained block hashes without copying it whole.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct BlockHasher {
     block_bytes: usize,
     /// Bytes of the current partial block (always < block_bytes).

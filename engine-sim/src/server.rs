@@ -299,6 +299,14 @@ async fn completion(
     if let Err(e) = prompt::visit_canonical_prompt(kind, &body, |p| hasher.update(p.as_bytes())) {
         return invalid(&e);
     }
+    // Chat answers are cached after the prompt as the next turn will resend them:
+    // `assistant\n{text}` (the canonical form of the assistant message, without its closing
+    // newline, which belongs to the next prompt).
+    let output_hasher = (kind == ApiKind::Chat).then(|| {
+        let mut h = hasher.clone();
+        h.update(b"assistant\n");
+        h
+    });
     let prompt = hasher.finish();
     let prompt_tokens = prompt.prompt_tokens();
     let max_tokens = params.max_tokens;
@@ -359,6 +367,10 @@ async fn completion(
                         return;
                     }
                 }
+                if let Some(mut h) = output_hasher {
+                    h.update(Filler::new(filler_seed).text(max_tokens).as_bytes());
+                    seq.cache_output(h.finish());
+                }
                 let usage = Usage {
                     prompt_tokens,
                     completion_tokens: max_tokens,
@@ -391,12 +403,16 @@ async fn completion(
     if max_tokens > 1 {
         seq.next_tokens(max_tokens - 1).await;
     }
+    let text = Filler::new(filler_seed).text(max_tokens);
+    if let Some(mut h) = output_hasher {
+        h.update(text.as_bytes());
+        seq.cache_output(h.finish());
+    }
     let usage = Usage {
         prompt_tokens,
         completion_tokens: max_tokens,
         cached_tokens: seq.cached_tokens(),
     };
     seq.finish();
-    let text = Filler::new(filler_seed).text(max_tokens);
     json_response(StatusCode::OK, openai::full_response(&meta, text, usage))
 }

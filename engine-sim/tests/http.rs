@@ -524,3 +524,37 @@ async fn shutdown_drains_a_running_stream_then_stops_accepting() {
     let refused = tokio::net::TcpStream::connect(server.addr).await;
     assert!(refused.is_err(), "listener closed after shutdown");
 }
+
+/// vLLM keeps the KV of generated tokens: the next turn of a chat, which resends the answer,
+/// finds the first turn's prompt *and* the answer cached.
+#[tokio::test]
+async fn the_next_turn_of_a_chat_hits_the_previous_answer() {
+    let server = TestServer::start(fast_config()).await;
+    let system = system_prompt();
+    let turn1 = chat(&system, "What is a KV cache?", 40, false);
+    let (_, r1) = server.post_json("/v1/chat/completions", &turn1).await;
+    let answer = r1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let mut turn2 = turn1.clone();
+    let messages = turn2["messages"].as_array_mut().unwrap();
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": "And why does it matter for routing?"}));
+    let prompt2 = canonical_prompt(&turn2).unwrap();
+    let (_, r2) = server.post_json("/v1/chat/completions", &turn2).await;
+    let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // Everything up to the end of the answer, to the block.
+    let answered = canonical_prompt(&turn1).unwrap() + "assistant\n" + &answer;
+    assert!(prompt2.starts_with(&answered));
+    assert_eq!(cached, answered.len() as u64 / 64 * 16);
+    let prompt1_blocks = canonical_prompt(&turn1).unwrap().len() as u64 / 64 * 16;
+    assert!(
+        cached > prompt1_blocks,
+        "the answer's blocks count too: {cached} vs {prompt1_blocks}"
+    );
+    server.stop().await;
+}
