@@ -1,1 +1,7 @@
-fn main() {}
+//! `prefixctl`: parses the command line and hands it to the library.
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    cli::main(cli::Cli::parse())
+}

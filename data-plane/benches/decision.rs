@@ -1,1 +1,162 @@
-fn main() {}
+//! Routing-decision cost: body parse + prompt-key hash + endpoint/variant/instance choice, for a
+//! 32 KiB chat body (target: p50 < 5 us), and the cost of building (swapping in) a table of
+//! 1,000 instances (target: < 1 ms).
+//!
+//! `cargo bench -p data-plane --bench decision`
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
+use data_plane::load::InFlight;
+use data_plane::placement::{Placement, RouteRequest};
+use data_plane::prompt::BodyKind;
+use data_plane::table::RoutingTable;
+use proto::{EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes};
+
+fn wire_table(instances: usize, strategy: RoutingStrategy) -> proto::RoutingTable {
+    proto::RoutingTable {
+        version: 1,
+        endpoints: vec![EndpointRoutes {
+            endpoint_name: "e".into(),
+            endpoint_config_name: "c".into(),
+            endpoint_config_revision: 1,
+            variants: vec![VariantRoutes {
+                variant_name: "v1".into(),
+                model_name: "m".into(),
+                weight: 1.0,
+                routing_config: Some(RoutingConfig {
+                    routing_strategy: strategy as i32,
+                    prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                        prefix_length: 2048,
+                        concurrency_threshold: 64,
+                    }),
+                }),
+                instances: (0..instances)
+                    .map(|i| {
+                        let a = format!("http://10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256);
+                        proto::Instance { instance_id: a.clone(), address: a }
+                    })
+                    .collect(),
+            }],
+        }],
+    }
+}
+
+/// A 32 KiB multi-turn chat as the OpenAI Python client sends it (`messages` first, `role` before
+/// `content`, `model` after the messages): an 8 KiB system prompt, turns with escaped newlines and
+/// quotes.
+fn chat_body_32k() -> Vec<u8> {
+    let q = |s: &str| serde_json::to_string(s).unwrap();
+    let system = "You are a meticulous assistant.\nFollow the \"house style\" guide. ".repeat(130);
+    let mut messages = vec![format!(r#"{{"role": "system", "content": {}}}"#, q(&system))];
+    let mut turn = 0;
+    loop {
+        let user = format!("Question {turn}: explain item {turn} of the list in detail.\nThanks!");
+        messages.push(format!(r#"{{"role": "user", "content": {}}}"#, q(&user)));
+        let body = format!(r#"{{"messages": [{}], "model": "e", "stream": true}}"#, messages.join(", "));
+        if body.len() >= 32 * 1024 {
+            return body.into_bytes();
+        }
+        let answer = "Here is a detailed answer.\n- point one\n- point two\n".repeat(8);
+        messages.push(format!(r#"{{"role": "assistant", "content": {}}}"#, q(&answer)));
+        turn += 1;
+    }
+}
+
+fn decision(c: &mut Criterion) {
+    let body = chat_body_32k();
+    assert!(body.len() >= 32 * 1024);
+    let mut group = c.benchmark_group("decision_32KiB_chat");
+    for (n, strategy, name) in [
+        (7, RoutingStrategy::PrefixAware, "prefix_aware"),
+        (1000, RoutingStrategy::PrefixAware, "prefix_aware"),
+        (7, RoutingStrategy::LeastOutstandingRequests, "least_outstanding"),
+        (1000, RoutingStrategy::LeastOutstandingRequests, "least_outstanding"),
+        (7, RoutingStrategy::Random, "random"),
+    ] {
+        let table = RoutingTable::try_from(wire_table(n, strategy)).unwrap();
+        let placement = Placement::new(100_000, 125, None);
+        // endpoint from the `model` field at the end of the body (worst case: the whole body is scanned)
+        let by_model = RouteRequest {
+            kind: BodyKind::OpenAi,
+            body: &body,
+            endpoint: None,
+            target_variant: None,
+            prefix_aware_id: None,
+        };
+        group.bench_with_input(BenchmarkId::new(format!("{name}/model_field"), n), &by_model, |b, req| {
+            b.iter(|| {
+                let route = placement.route(&table, black_box(req)).unwrap();
+                let guard = InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
+                black_box((route.instance, route.decision));
+                drop(guard);
+            })
+        });
+        if strategy == RoutingStrategy::PrefixAware {
+            let by_header = RouteRequest { endpoint: Some("e"), ..by_model };
+            group.bench_with_input(BenchmarkId::new(format!("{name}/endpoint_header"), n), &by_header, |b, req| {
+                b.iter(|| {
+                    let route = placement.route(&table, black_box(req)).unwrap();
+                    let guard =
+                        InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
+                    black_box((route.instance, route.decision));
+                    drop(guard);
+                })
+            });
+        }
+    }
+    group.finish();
+
+    // Reference point: what a full serde_json parse of the same body costs (why the key is taken
+    // by a scanner that stops early).
+    #[derive(serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Message<'a> {
+        #[serde(borrow)]
+        role: std::borrow::Cow<'a, str>,
+        #[serde(borrow)]
+        content: std::borrow::Cow<'a, str>,
+    }
+    #[derive(serde::Deserialize)]
+    #[allow(dead_code)]
+    struct ChatBody<'a> {
+        #[serde(borrow)]
+        messages: Vec<Message<'a>>,
+        #[serde(borrow)]
+        model: Option<std::borrow::Cow<'a, str>>,
+    }
+    c.bench_function("parts/prompt_key_2048_chars", |b| {
+        b.iter(|| black_box(data_plane::prompt::prompt_key(BodyKind::OpenAi, black_box(&body), 2048, 1)))
+    });
+    c.bench_function("parts/find_model_32KiB", |b| {
+        b.iter(|| black_box(data_plane::prompt::find_model(black_box(&body)).is_some()))
+    });
+    c.bench_function("reference/serde_json_borrowed_parse_32KiB", |b| {
+        b.iter(|| {
+            let parsed: ChatBody<'_> = serde_json::from_slice(black_box(&body)).unwrap();
+            black_box(parsed.messages.len());
+        })
+    });
+}
+
+fn table_build(c: &mut Criterion) {
+    let mut group = c.benchmark_group("table_build");
+    for n in [7usize, 1000] {
+        let wire = wire_table(n, RoutingStrategy::PrefixAware);
+        let previous = RoutingTable::try_from(wire.clone()).unwrap();
+        group.bench_with_input(BenchmarkId::new("fresh", n), &wire, |b, wire| {
+            b.iter_batched(|| wire.clone(), |w| RoutingTable::build(w, None).unwrap(), BatchSize::SmallInput)
+        });
+        group.bench_with_input(BenchmarkId::new("swap_reusing_state", n), &wire, |b, wire| {
+            b.iter_batched(
+                || wire.clone(),
+                |w| RoutingTable::build(w, Some(&previous)).unwrap(),
+                BatchSize::SmallInput,
+            )
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decision, table_build);
+criterion_main!(benches);

@@ -1,1 +1,146 @@
-//! prefix-router data plane (in progress).
+//! prefix-router data plane: a stateless HTTP router for fleets of LLM inference servers.
+//!
+//! Map:
+//! - [`config`]: flags / settings ([`Config`]).
+//! - [`table`]: the validated routing table (`TryFrom<proto::RoutingTable>`), per-instance state
+//!   reused across tables.
+//! - `watch`: the `WatchRoutingTable` stream: validate, `ArcSwap::store`, ACK/NACK, reconnect
+//!   with backoff, `--table-cache`.
+//! - [`prompt`]: the affinity key, hashed from the body bytes (canonical prompt text, 64-byte
+//!   chained blocks).
+//! - [`placement`]: endpoint / variant / instance choice: RANDOM, LEAST_OUTSTANDING_REQUESTS,
+//!   PREFIX_AWARE (rendezvous hashing with bounded load and a [`prefix_index::PrefixIndex`]).
+//! - [`load`]: in-flight counters (an RAII guard held until the response body ends) and passive
+//!   health (ejection after repeated failures).
+//! - `proxy`: HTTP handling and forwarding (hyper 1, pooled keep-alive connections, streamed
+//!   bodies, one retry, JSON errors); [`metrics`]: Prometheus text from atomics.
+//!
+//! Invariants:
+//! - The data plane never writes state anywhere but memory, except the optional table cache file.
+//! - A request keeps the table it started with (it holds an `Arc`); a swap never blocks requests.
+//! - An invalid table is NACKed and the last good one keeps serving; with the control plane gone,
+//!   routing goes on (static stability).
+//! - Placement is a pure function of (table, prompt, in-flight counts): replicas with the same
+//!   table send the same prompt to the same instance while it has room.
+//! - No lock is held across an `.await`; the request path takes no global lock (the prefix index
+//!   is sharded and only touched when a key spills).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+
+pub mod config;
+pub mod load;
+pub mod metrics;
+pub mod placement;
+pub mod prefix_index;
+pub mod prompt;
+mod proxy;
+pub mod table;
+mod watch;
+
+pub use config::Config;
+pub use proxy::{
+    X_DECISION, X_ENDPOINT_NAME, X_INSTANCE, X_PREFIX_AWARE_ID, X_TABLE_VERSION, X_TARGET_VARIANT, X_VARIANT,
+};
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Completes once the shutdown stage reaches `level` (or the sender is gone).
+async fn reached(stop: &mut tokio::sync::watch::Receiver<u8>, level: u8) {
+    let _ = stop.wait_for(|&s| s >= level).await;
+}
+
+/// Serves the router on `listener` until `shutdown` completes, then drains: stops accepting,
+/// lets in-flight requests finish (up to `--shutdown-grace-ms`) and returns.
+///
+/// Loads `--table-cache` first (if any), and watches the control plane in the background for as
+/// long as it serves.
+pub async fn serve(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let router = Arc::new(proxy::Router::new(&config));
+    if let Some(path) = &config.table_cache {
+        match watch::load_cache(&router, path) {
+            Ok(Some(version)) => tracing::info!(version, cache = %path.display(), "routing table loaded from cache"),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("{e}; waiting for the control plane"),
+        }
+    }
+    let node_id = config.resolved_node_id();
+    let _watch = AbortOnDrop(tokio::spawn(watch::run(
+        router.clone(),
+        config.control_plane.clone(),
+        node_id.clone(),
+        config.table_cache.clone(),
+    )));
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, node_id, control_plane = %config.control_plane, "data plane serving");
+    }
+
+    // 0: serving, 1: draining (finish in-flight requests), 2: grace over (close now).
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(0u8);
+    // Every connection task holds a clone; `recv` returns None once all are gone.
+    let (drain_tx, mut drain_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a little rather than spin.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let mut stop = stop_rx.clone();
+        let drain = drain_tx.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| router.clone().handle(req));
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), service);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = reached(&mut stop, 1) => {
+                    conn.as_mut().graceful_shutdown();
+                    tokio::select! {
+                        _ = conn.as_mut() => {}
+                        _ = reached(&mut stop, 2) => {}
+                    }
+                }
+            }
+            drop(drain);
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(1);
+    drop(drain_tx);
+    let grace = Duration::from_millis(config.shutdown_grace_ms);
+    if tokio::time::timeout(grace, drain_rx.recv()).await.is_err() {
+        tracing::warn!(?grace, "shutdown grace period over; closing the remaining connections");
+        let _ = stop_tx.send(2);
+    }
+    Ok(())
+}

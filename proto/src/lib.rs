@@ -15,6 +15,8 @@ pub mod v1 {
 
 pub use v1::*;
 
+pub mod client;
+
 impl RoutingStrategy {
     /// The name users type (`RANDOM`, `LEAST_OUTSTANDING_REQUESTS`, `PREFIX_AWARE`).
     pub fn user_name(self) -> &'static str {

@@ -1,0 +1,309 @@
+//! A whole fleet in this process: control plane (sled in a temp dir), data-plane replicas and
+//! simulated engines, each on its own loopback port, so that the benchmark drives the real
+//! servers over real HTTP and gRPC.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use proto::control_plane_client::ControlPlaneClient;
+use proto::{
+    CreateEndpointConfigRequest, CreateEndpointRequest, DescribeEndpointRequest, PrefixAwareRoutingConfig,
+    ProductionVariant, RoutingConfig, RoutingStrategy, UpdateEndpointConfigRequest,
+};
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+use super::metrics::{self, Histogram};
+
+pub const ENDPOINT: &str = "bench";
+pub const VARIANT: &str = "v1";
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct FleetSpec {
+    pub instances: usize,
+    pub routers: usize,
+    pub strategy: RoutingStrategy,
+    pub prefix_length: u32,
+    pub concurrency_threshold: u32,
+    pub kv_capacity_tokens: u64,
+    pub time_scale: f64,
+    pub seed: u64,
+}
+
+/// A server task and the way to stop it.
+struct Server {
+    url: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Server {
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+        self.task.abort();
+    }
+}
+
+/// Counters read from one engine's `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineCounters {
+    pub queries: f64,
+    pub hits: f64,
+    pub requests: f64,
+}
+
+impl std::ops::Sub for EngineCounters {
+    type Output = EngineCounters;
+    fn sub(self, o: Self) -> Self {
+        EngineCounters { queries: self.queries - o.queries, hits: self.hits - o.hits, requests: self.requests - o.requests }
+    }
+}
+
+pub struct Fleet {
+    pub spec: FleetSpec,
+    control_plane: Server,
+    routers: Vec<Server>,
+    engines: Vec<Server>,
+    /// Engines in the variant, in order (an index into `engines`).
+    active: Vec<usize>,
+    client: ControlPlaneClient<Channel>,
+    http: metrics::HttpClient,
+    _dir: tempfile::TempDir,
+}
+
+async fn bind() -> anyhow::Result<(tokio::net::TcpListener, String)> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding a loopback port")?;
+    let url = format!("http://{}", l.local_addr()?);
+    Ok((l, url))
+}
+
+fn spawn_server<F>(url: String, f: impl FnOnce(oneshot::Receiver<()>) -> F) -> Server
+where
+    F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let (tx, rx) = oneshot::channel();
+    Server { url, stop: Some(tx), task: tokio::spawn(f(rx)) }
+}
+
+impl Fleet {
+    pub async fn start(spec: FleetSpec) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir().context("creating a temp dir for the control plane")?;
+        let store = control_plane::open_store(&dir.path().join("control-plane"))?;
+        let (l, cp_url) = bind().await?;
+        let control_plane = spawn_server(cp_url.clone(), move |rx| {
+            control_plane::serve_store(l, store, Duration::from_secs(1), async move {
+                let _ = rx.await;
+            })
+        });
+        let client = connect(&cp_url).await?;
+        let mut fleet = Fleet {
+            spec: spec.clone(),
+            control_plane,
+            routers: Vec::new(),
+            engines: Vec::new(),
+            active: Vec::new(),
+            client,
+            http: metrics::http_client(),
+            _dir: dir,
+        };
+        for _ in 0..spec.instances {
+            let i = fleet.start_engine().await?;
+            fleet.active.push(i);
+        }
+        fleet
+            .client
+            .create_endpoint_config(CreateEndpointConfigRequest {
+                endpoint_config_name: ENDPOINT.into(),
+                production_variants: fleet.variants(spec.strategy),
+            })
+            .await
+            .context("creating the bench endpoint config")?;
+        fleet
+            .client
+            .create_endpoint(CreateEndpointRequest { endpoint_name: ENDPOINT.into(), endpoint_config_name: ENDPOINT.into() })
+            .await
+            .context("creating the bench endpoint")?;
+        for r in 0..spec.routers {
+            let (l, url) = bind().await?;
+            let config = data_plane::Config::try_parse_from([
+                "data-plane",
+                "--listen",
+                "127.0.0.1:0",
+                "--control-plane",
+                cp_url.as_str(),
+                "--node-id",
+                &format!("bench-router-{r}"),
+                "--default-endpoint",
+                ENDPOINT,
+            ])?;
+            fleet.routers.push(spawn_server(url, move |rx| {
+                data_plane::serve(l, config, async move {
+                    let _ = rx.await;
+                })
+            }));
+        }
+        fleet.wait_rollout().await?;
+        Ok(fleet)
+    }
+
+    async fn start_engine(&mut self) -> anyhow::Result<usize> {
+        let (l, url) = bind().await?;
+        let n = self.engines.len();
+        let config = engine_sim::Config::try_parse_from([
+            "engine-sim".to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--kv-capacity-tokens".into(),
+            self.spec.kv_capacity_tokens.to_string(),
+            "--time-scale".into(),
+            self.spec.time_scale.to_string(),
+            "--seed".into(),
+            (self.spec.seed.wrapping_add(n as u64)).to_string(),
+        ])?;
+        self.engines.push(spawn_server(url, move |rx| {
+            engine_sim::serve(l, config, async move {
+                let _ = rx.await;
+            })
+        }));
+        Ok(n)
+    }
+
+    fn variants(&self, strategy: RoutingStrategy) -> Vec<ProductionVariant> {
+        vec![ProductionVariant {
+            variant_name: VARIANT.into(),
+            model_name: "llama-3.1-70b".into(),
+            initial_variant_weight: Some(1.0),
+            routing_config: Some(RoutingConfig {
+                routing_strategy: strategy as i32,
+                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                    prefix_length: self.spec.prefix_length,
+                    concurrency_threshold: self.spec.concurrency_threshold,
+                }),
+            }),
+            instances: self.active.iter().map(|&i| self.engines[i].url.clone()).collect(),
+        }]
+    }
+
+    /// Writes the current variant (strategy, instances) and waits until every router applied it.
+    async fn apply(&mut self, strategy: RoutingStrategy) -> anyhow::Result<()> {
+        self.client
+            .update_endpoint_config(UpdateEndpointConfigRequest {
+                endpoint_config_name: ENDPOINT.into(),
+                production_variants: self.variants(strategy),
+                expected_revision: None,
+            })
+            .await
+            .context("updating the bench endpoint config")?;
+        self.spec.strategy = strategy;
+        self.wait_rollout().await
+    }
+
+    /// Switches the routing strategy live (no restart of anything).
+    pub async fn set_strategy(&mut self, strategy: RoutingStrategy) -> anyhow::Result<()> {
+        self.apply(strategy).await
+    }
+
+    /// Starts one more engine and adds it to the variant through the control plane.
+    pub async fn add_instance(&mut self) -> anyhow::Result<String> {
+        let i = self.start_engine().await?;
+        self.active.push(i);
+        self.apply(self.spec.strategy).await?;
+        Ok(self.engines[i].url.clone())
+    }
+
+    /// Removes the engine at position `pos` of the variant through the control plane (the
+    /// engine keeps running, so in-flight requests finish).
+    pub async fn remove_instance(&mut self, pos: usize) -> anyhow::Result<String> {
+        let i = self.active.remove(pos);
+        self.apply(self.spec.strategy).await?;
+        Ok(self.engines[i].url.clone())
+    }
+
+    /// Waits until every router reports (through the control plane's rollout status) that it
+    /// applied the endpoint's current routing-table version.
+    async fn wait_rollout(&mut self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let d = self
+                .client
+                .describe_endpoint(DescribeEndpointRequest { endpoint_name: ENDPOINT.into() })
+                .await?
+                .into_inner();
+            let ready = d.data_planes.iter().filter(|n| n.connected && n.up_to_date).count();
+            if ready >= self.routers.len() {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "routers did not apply the routing table within 30 s ({ready} of {} did)",
+                self.routers.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn router_urls(&self) -> Vec<String> {
+        self.routers.iter().map(|r| r.url.clone()).collect()
+    }
+
+    /// Engine URLs in the variant now.
+    pub fn instance_urls(&self) -> Vec<String> {
+        self.active.iter().map(|&i| self.engines[i].url.clone()).collect()
+    }
+
+    /// Counters of every engine ever started, in start order.
+    pub async fn engine_counters(&self) -> anyhow::Result<Vec<EngineCounters>> {
+        let mut out = Vec::with_capacity(self.engines.len());
+        for e in &self.engines {
+            let text = metrics::get_text(&self.http, &format!("{}/metrics", e.url)).await?;
+            out.push(EngineCounters {
+                queries: metrics::sum(&text, "vllm:prefix_cache_queries_total"),
+                hits: metrics::sum(&text, "vllm:prefix_cache_hits_total"),
+                requests: metrics::sum(&text, "engine_sim_requests_total"),
+            });
+        }
+        Ok(out)
+    }
+
+    pub fn engine_urls(&self) -> Vec<String> {
+        self.engines.iter().map(|e| e.url.clone()).collect()
+    }
+
+    /// The routers' routing-decision histograms, merged.
+    pub async fn decision_histogram(&self) -> anyhow::Result<Histogram> {
+        let mut h = Histogram::default();
+        for r in &self.routers {
+            let text = metrics::get_text(&self.http, &format!("{}/metrics", r.url)).await?;
+            h.merge(&Histogram::parse(&text, "prefix_router_route_decision_seconds"));
+        }
+        Ok(h)
+    }
+
+    pub async fn stop(self) {
+        for r in self.routers {
+            r.stop().await;
+        }
+        for e in self.engines {
+            e.stop().await;
+        }
+        self.control_plane.stop().await;
+    }
+}
+
+async fn connect(url: &str) -> anyhow::Result<ControlPlaneClient<Channel>> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match ControlPlaneClient::connect(url.to_string()).await {
+            Ok(c) => return Ok(c),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(anyhow::anyhow!("cannot reach the bench control plane at {url}: {e}"))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}

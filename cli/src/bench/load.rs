@@ -1,0 +1,192 @@
+//! Closed-loop load: each client sends one streaming chat request at a time through a router,
+//! reads the stream to its end, and sends the next. Time to first token is taken at the client,
+//! when the first content chunk arrives.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
+use tokio::sync::mpsc;
+
+use super::fleet::ENDPOINT;
+use super::metrics::HttpClient;
+use super::workload::Workload;
+
+/// One finished request.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub client: usize,
+    pub done: Instant,
+    pub ttft: Duration,
+    pub latency: Duration,
+    pub output_tokens: u32,
+    /// `x-prefix-router-instance` of the response.
+    pub instance: String,
+    pub affinity: u64,
+    pub error: Option<String>,
+}
+
+/// What one streamed response carried.
+struct Streamed {
+    ttft: Duration,
+    text: String,
+    output_tokens: u32,
+    instance: String,
+}
+
+/// Runs `concurrency` clients over `routers` until `stop_at`, sending each sample down `out`.
+/// Returns when every client finished its last request.
+pub async fn run_clients(
+    workload: Arc<Workload>,
+    documents: Arc<Vec<Arc<str>>>,
+    routers: Vec<String>,
+    concurrency: usize,
+    stop_at: Instant,
+    http: HttpClient,
+    out: mpsc::UnboundedSender<Sample>,
+) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for client in 0..concurrency {
+        let url: http::Uri = format!("{}/v1/chat/completions", routers[client % routers.len()])
+            .parse()
+            .expect("router URLs are valid");
+        let (w, docs, http, out) = (workload.clone(), documents.clone(), http.clone(), out.clone());
+        tasks.spawn(async move {
+            let mut state = w.client(client);
+            let mut last_reply: Option<String> = None;
+            while Instant::now() < stop_at {
+                let req = state.next(&w, &docs, last_reply.take());
+                let body = Bytes::from(req.body(ENDPOINT));
+                let started = Instant::now();
+                let result = send(&http, &url, body, started).await;
+                let done = Instant::now();
+                let sample = match result {
+                    Ok(s) => {
+                        let sample = Sample {
+                            client,
+                            done,
+                            ttft: s.ttft,
+                            latency: done - started,
+                            output_tokens: s.output_tokens,
+                            instance: s.instance,
+                            affinity: req.affinity,
+                            error: None,
+                        };
+                        last_reply = Some(s.text);
+                        sample
+                    }
+                    Err(e) => Sample {
+                        client,
+                        done,
+                        ttft: Duration::ZERO,
+                        latency: done - started,
+                        output_tokens: 0,
+                        instance: String::new(),
+                        affinity: req.affinity,
+                        error: Some(format!("{e:#}")),
+                    },
+                };
+                if out.send(sample).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+async fn send(http: &HttpClient, url: &http::Uri, body: Bytes, started: Instant) -> anyhow::Result<Streamed> {
+    let req = http::Request::post(url.clone())
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header("x-endpoint-name", ENDPOINT)
+        .body(Full::new(body))?;
+    let resp = http.request(req).await?;
+    let status = resp.status();
+    let instance = resp
+        .headers()
+        .get("x-prefix-router-instance")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let mut body = resp.into_body();
+    if !status.is_success() {
+        let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        anyhow::bail!("HTTP {status}: {}", String::from_utf8_lossy(&bytes[..bytes.len().min(300)]));
+    }
+    let mut sse = SseText::default();
+    let mut ttft = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        if let Some(data) = frame.data_ref() {
+            sse.feed(data);
+            if ttft.is_none() && !sse.text.is_empty() {
+                ttft = Some(started.elapsed());
+            }
+        }
+    }
+    anyhow::ensure!(sse.done, "stream ended without data: [DONE]");
+    let ttft = ttft.ok_or_else(|| anyhow::anyhow!("stream carried no content"))?;
+    Ok(Streamed { ttft, output_tokens: sse.completion_tokens.unwrap_or(sse.chunks), text: sse.text, instance })
+}
+
+/// Reassembles an OpenAI chat stream: the content text, the usage, and whether `[DONE]` came.
+#[derive(Default)]
+struct SseText {
+    buf: BytesMut,
+    text: String,
+    chunks: u32,
+    completion_tokens: Option<u32>,
+    done: bool,
+}
+
+impl SseText {
+    fn feed(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+        while let Some(end) = find(&self.buf, b"\n\n") {
+            let event = self.buf.split_to(end + 2);
+            for line in event[..].split(|&b| b == b'\n') {
+                let Some(payload) = line.strip_prefix(b"data:") else { continue };
+                let payload = payload.strip_prefix(b" ").unwrap_or(payload);
+                if payload == b"[DONE]" {
+                    self.done = true;
+                    continue;
+                }
+                let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) else { continue };
+                if let Some(c) = v.pointer("/choices/0/delta/content").and_then(|c| c.as_str()) {
+                    if !c.is_empty() {
+                        self.chunks += 1;
+                        self.text.push_str(c);
+                    }
+                }
+                if let Some(n) = v.pointer("/usage/completion_tokens").and_then(|n| n.as_u64()) {
+                    self.completion_tokens = Some(n as u32);
+                }
+            }
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reassembles_split_sse_events() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n\
+            data: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
+        let mut sse = SseText::default();
+        for piece in stream.as_bytes().chunks(7) {
+            sse.feed(piece);
+        }
+        assert_eq!(sse.text, "Hello");
+        assert_eq!(sse.completion_tokens, Some(2));
+        assert!(sse.done);
+    }
+}

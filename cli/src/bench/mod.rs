@@ -1,0 +1,493 @@
+//! `prefixctl bench` and `prefixctl demo`: the fleet benchmark.
+//!
+//! For each strategy a fresh fleet starts in this process (control plane, `--routers` data
+//! planes, `--instances` engine-sims with cold caches), a warm-up runs, then closed-loop load from
+//! `--concurrency` clients spread over the routers. TTFT is measured at the client (first content
+//! chunk), hit rate and shares from the engines' own counters, decision time from the routers'
+//! histograms. Engines run `--time-scale` times real time; every duration reported (TTFT,
+//! `--duration`, throughput) is in simulated time, i.e. wall time divided by the time scale.
+
+pub mod fleet;
+pub mod load;
+pub mod metrics;
+pub mod report;
+pub mod workload;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use proto::RoutingStrategy;
+use tokio::sync::mpsc;
+
+use fleet::{EngineCounters, Fleet, FleetSpec};
+use load::Sample;
+use report::{AutoscaleReport, BenchReport, PhaseHitRate, StrategyResult};
+use workload::{Workload, WorkloadKind};
+
+/// `prefixctl bench` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Workload to run.
+    #[arg(long, value_enum, default_value = "long-context")]
+    pub workload: WorkloadKind,
+    /// Strategies to compare, comma-separated (each gets a fresh fleet).
+    #[arg(long, value_delimiter = ',', default_value = "RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE", value_parser = parse_strategy)]
+    pub strategies: Vec<RoutingStrategy>,
+    /// Model servers (engine-sim) in the fleet.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub instances: u64,
+    /// Data-plane replicas; clients are spread over them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub routers: u64,
+    /// Concurrent closed-loop clients.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub concurrency: u64,
+    /// Measured time per strategy, in simulated seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub duration: f64,
+    /// Warm-up before measuring, in simulated seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub warmup: f64,
+    /// Engine speed: 0.1 runs the engines ten times faster than real time.
+    #[arg(long, default_value_t = 0.1)]
+    pub time_scale: f64,
+    /// Seed of the workload.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// PREFIX_AWARE prefix_length in characters (default: the workload's suggestion).
+    #[arg(long)]
+    pub prefix_length: Option<u32>,
+    /// PREFIX_AWARE concurrency_threshold.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency_threshold: u32,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Draw TTFT CDFs and per-instance shares (SVG).
+    #[arg(long)]
+    pub plot: Option<std::path::PathBuf>,
+    /// Update this Markdown file's section for the workload (e.g. BENCHMARKS.md).
+    #[arg(long)]
+    pub markdown: Option<std::path::PathBuf>,
+}
+
+pub fn parse_strategy(s: &str) -> Result<RoutingStrategy, String> {
+    RoutingStrategy::from_user_name(s)
+        .ok_or_else(|| format!("unknown routing strategy {s:?} (expected {})", RoutingStrategy::USER_NAMES))
+}
+
+impl BenchArgs {
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.time_scale > 0.0 && self.time_scale <= 10.0,
+            "invalid --time-scale {}: must be in (0, 10]",
+            self.time_scale
+        );
+        anyhow::ensure!(self.duration > 0.0, "invalid --duration {}: must be > 0", self.duration);
+        anyhow::ensure!(self.warmup >= 0.0, "invalid --warmup {}: must be >= 0", self.warmup);
+        anyhow::ensure!(!self.strategies.is_empty(), "invalid --strategies: none given");
+        Ok(())
+    }
+
+    fn wall(&self, simulated_secs: f64) -> Duration {
+        Duration::from_secs_f64(simulated_secs * self.time_scale)
+    }
+}
+
+/// Runs the benchmark and writes its outputs; returns the report.
+pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
+    args.validate()?;
+    let workload = Arc::new(Workload::new(args.workload, args.seed));
+    let documents = Arc::new(workload.documents());
+    let mut results = Vec::new();
+    for &strategy in &args.strategies {
+        let r = run_strategy(&args, &workload, &documents, strategy).await?;
+        results.push(r);
+    }
+    let report = BenchReport::new(&args, &workload, results);
+    report.print_table();
+    if let Some(path) = &args.out {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.markdown {
+        report.update_markdown(path, &command_line())?;
+        eprintln!("updated {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        report::plot(&report, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(report)
+}
+
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    format!("prefixctl {}", args.join(" "))
+}
+
+fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> FleetSpec {
+    FleetSpec {
+        instances: args.instances as usize,
+        routers: args.routers as usize,
+        strategy,
+        prefix_length: args.prefix_length.unwrap_or(workload.prefix_length),
+        concurrency_threshold: args.concurrency_threshold,
+        kv_capacity_tokens: workload.kv_capacity_tokens,
+        time_scale: args.time_scale,
+        seed: args.seed,
+    }
+}
+
+fn progress(total: Duration, label: String) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total.as_millis() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix:>28} [{bar:30}] {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label);
+    bar
+}
+
+/// Snapshots taken at a moment of the run.
+struct Snapshot {
+    at: Instant,
+    engines: Vec<EngineCounters>,
+}
+
+async fn snapshot(fleet: &Fleet) -> anyhow::Result<Snapshot> {
+    Ok(Snapshot { at: Instant::now(), engines: fleet.engine_counters().await? })
+}
+
+fn hit_rate(from: &[EngineCounters], to: &[EngineCounters]) -> f64 {
+    let (mut q, mut h) = (0.0, 0.0);
+    for (i, t) in to.iter().enumerate() {
+        let f = from.get(i).copied().unwrap_or_default();
+        q += t.queries - f.queries;
+        h += t.hits - f.hits;
+    }
+    if q > 0.0 {
+        h / q
+    } else {
+        0.0
+    }
+}
+
+async fn run_strategy(
+    args: &BenchArgs,
+    workload: &Arc<Workload>,
+    documents: &Arc<Vec<Arc<str>>>,
+    strategy: RoutingStrategy,
+) -> anyhow::Result<StrategyResult> {
+    let mut fleet = Fleet::start(spec(args, workload, strategy)).await?;
+    let warmup = args.wall(args.warmup);
+    let measure = args.wall(args.duration);
+    let start = Instant::now();
+    let measure_from = start + warmup;
+    let stop_at = measure_from + measure;
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let clients = tokio::spawn(load::run_clients(
+        workload.clone(),
+        documents.clone(),
+        fleet.router_urls(),
+        args.concurrency as usize,
+        stop_at,
+        metrics::http_client(),
+        tx,
+    ));
+    let bar = progress(warmup + measure, format!("{} {}", workload.kind.name(), strategy.user_name()));
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut first: Option<(Snapshot, metrics::Histogram)> = None;
+    let mut autoscale = (args.workload == WorkloadKind::Autoscale).then(|| AutoscaleRun::new(args, measure_from, measure));
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut errors = 0usize;
+    loop {
+        tokio::select! {
+            s = rx.recv() => match s {
+                Some(s) => {
+                    if s.error.is_some() {
+                        errors += 1;
+                        if errors <= 3 {
+                            bar.println(format!("request error: {}", s.error.as_deref().unwrap_or_default()));
+                        }
+                    }
+                    samples.push(s);
+                }
+                None => break,
+            },
+            _ = tick.tick() => {
+                let now = Instant::now();
+                bar.set_position(now.saturating_duration_since(start).as_millis() as u64);
+                bar.set_message(format!("{} requests, {errors} errors", samples.len()));
+                if first.is_none() && now >= measure_from {
+                    first = Some((snapshot(&fleet).await?, fleet.decision_histogram().await?));
+                }
+                if let Some(a) = autoscale.as_mut() {
+                    a.step(&mut fleet, now).await?;
+                }
+            }
+        }
+    }
+    clients.await.context("load clients failed")?;
+    bar.finish_and_clear();
+    let end = snapshot(&fleet).await?;
+    let end_hist = fleet.decision_histogram().await?;
+    let (begin, begin_hist) = match first {
+        Some(f) => f,
+        None => (Snapshot { at: start, engines: Vec::new() }, metrics::Histogram::default()),
+    };
+    let measured: Vec<&Sample> = samples.iter().filter(|s| s.done >= measure_from && s.done <= stop_at).collect();
+    let window = end.at.min(stop_at).saturating_duration_since(begin.at).max(Duration::from_millis(1));
+    let autoscale_report = match autoscale {
+        Some(a) => Some(a.finish(&fleet, &samples, &end).await?),
+        None => None,
+    };
+    let result = StrategyResult::compute(
+        strategy,
+        args.time_scale,
+        &measured,
+        &begin.engines,
+        &end.engines,
+        window,
+        &end_hist.since(&begin_hist),
+        fleet.engine_urls(),
+        autoscale_report,
+    );
+    fleet.stop().await;
+    Ok(result)
+}
+
+/// The autoscale schedule: an instance joins at 1/3 of the measured time, one leaves at 2/3;
+/// hit rate is sampled every 5 simulated seconds.
+struct AutoscaleRun {
+    add_at: Instant,
+    remove_at: Instant,
+    every: Duration,
+    next_sample: Instant,
+    added: Option<(Instant, String)>,
+    removed: Option<(Instant, String)>,
+    last: Option<Snapshot>,
+    series: Vec<(Instant, f64)>,
+}
+
+impl AutoscaleRun {
+    fn new(args: &BenchArgs, from: Instant, measure: Duration) -> Self {
+        AutoscaleRun {
+            add_at: from + measure / 3,
+            remove_at: from + measure * 2 / 3,
+            every: args.wall(5.0),
+            next_sample: from,
+            added: None,
+            removed: None,
+            last: None,
+            series: Vec::new(),
+        }
+    }
+
+    async fn step(&mut self, fleet: &mut Fleet, now: Instant) -> anyhow::Result<()> {
+        if now >= self.next_sample {
+            let snap = snapshot(fleet).await?;
+            if let Some(prev) = &self.last {
+                self.series.push((snap.at, hit_rate(&prev.engines, &snap.engines)));
+            }
+            self.last = Some(snap);
+            self.next_sample = now + self.every;
+        }
+        if self.added.is_none() && now >= self.add_at {
+            let url = fleet.add_instance().await?;
+            self.added = Some((Instant::now(), url));
+        }
+        if self.removed.is_none() && now >= self.remove_at {
+            // The first instance leaves: a different one from the one that joined.
+            let url = fleet.remove_instance(0).await?;
+            self.removed = Some((Instant::now(), url));
+        }
+        Ok(())
+    }
+
+    async fn finish(self, _fleet: &Fleet, samples: &[Sample], _end: &Snapshot) -> anyhow::Result<AutoscaleReport> {
+        let (added_at, added_url) = self.added.clone().context("the run ended before an instance was added")?;
+        let (removed_at, removed_url) = self.removed.clone().context("the run ended before an instance was removed")?;
+        let mean = |from: Instant, to: Instant| {
+            let v: Vec<f64> = self.series.iter().filter(|(t, _)| *t > from && *t <= to).map(|x| x.1).collect();
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        let first = self.series.first().map(|x| x.0).unwrap_or(added_at);
+        let steady = mean(first, added_at);
+        // Time until the hit rate is back within 5 points of steady state after the join.
+        let recovered = self
+            .series
+            .iter()
+            .find(|(t, h)| *t > added_at && *t <= removed_at && *h >= steady - 0.05)
+            .map(|(t, _)| t.duration_since(added_at));
+        let last_sample = self.series.last().map(|x| x.0).unwrap_or(removed_at);
+        let phases = vec![
+            PhaseHitRate { phase: "before (7 instances)".into(), kv_hit_rate: steady },
+            PhaseHitRate { phase: "after join (8)".into(), kv_hit_rate: mean(added_at, removed_at) },
+            PhaseHitRate { phase: "after leave (7)".into(), kv_hit_rate: mean(removed_at, last_sample) },
+        ];
+        let window = self.every * 6;
+        Ok(AutoscaleReport {
+            added_instance: added_url,
+            removed_instance: removed_url.clone(),
+            keys_moved_on_join: moved_keys(samples, added_at, window, None),
+            keys_moved_on_leave: moved_keys(samples, removed_at, window, Some(&removed_url)),
+            recovered_after_join_s: recovered.map(|d| d.as_secs_f64()),
+            phases,
+            hit_rate_series: self.series.iter().map(|(t, h)| (t.duration_since(first).as_secs_f64(), *h)).collect(),
+        })
+    }
+}
+
+/// Fraction of keys (documents) whose main instance differs between the window before `at` and
+/// the window after it. On a leave, keys that lived on the removed instance must move and are
+/// left out: the question is how many others moved.
+fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option<&str>) -> f64 {
+    let main = |from: Instant, to: Instant| {
+        let mut counts: HashMap<u64, HashMap<&str, u32>> = HashMap::new();
+        for s in samples.iter().filter(|s| s.error.is_none() && s.done >= from && s.done < to) {
+            *counts.entry(s.affinity).or_default().entry(s.instance.as_str()).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .filter_map(|(k, m)| m.into_iter().max_by_key(|x| (x.1, x.0)).map(|(i, _)| (k, i)))
+            .collect::<HashMap<u64, &str>>()
+    };
+    let before = main(at.checked_sub(window).unwrap_or(at), at);
+    // Skip the moment of the change itself: requests already in flight finish where they were.
+    let settle = window / 6;
+    let after = main(at + settle, at + settle + window);
+    let mut total = 0;
+    let mut moved = 0;
+    for (k, b) in &before {
+        if removed == Some(*b) {
+            continue;
+        }
+        if let Some(a) = after.get(k) {
+            total += 1;
+            if a != b {
+                moved += 1;
+            }
+        }
+    }
+    if total == 0 {
+        0.0
+    } else {
+        moved as f64 / total as f64
+    }
+}
+
+/// `prefixctl demo` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Wall-clock length of the whole demo, in seconds (at most 60).
+    #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u64).range(10..=60))]
+    pub seconds: u64,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: u64,
+    /// Engine speed (0.1 = ten times real time).
+    #[arg(long, default_value_t = 0.1)]
+    pub time_scale: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// `prefixctl demo`: one fleet on long-context, RANDOM for the first half, then the variant is
+/// switched to PREFIX_AWARE live with UpdateEndpointConfig, and both halves are printed side by side.
+pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.time_scale > 0.0 && args.time_scale <= 10.0, "invalid --time-scale {}", args.time_scale);
+    let workload = Arc::new(Workload::new(WorkloadKind::LongContext, args.seed));
+    let documents = Arc::new(workload.documents());
+    let bench = BenchArgs {
+        workload: WorkloadKind::LongContext,
+        strategies: vec![RoutingStrategy::Random],
+        instances: 7,
+        routers: 1,
+        concurrency: args.concurrency,
+        duration: 0.0,
+        warmup: 0.0,
+        time_scale: args.time_scale,
+        seed: args.seed,
+        prefix_length: None,
+        concurrency_threshold: 64,
+        out: None,
+        plot: None,
+        markdown: None,
+    };
+    eprintln!("starting a fleet: control plane, 1 data plane, 7 engine-sims (long-context, time scale {})", args.time_scale);
+    let mut fleet = Fleet::start(spec(&bench, &workload, RoutingStrategy::Random)).await?;
+    let total = Duration::from_secs(args.seconds);
+    let half = total / 2;
+    // Each half: the first 30% warms the caches, the rest is measured.
+    let settle = half.mul_f64(0.3);
+    let start = Instant::now();
+    let stop_at = start + total;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let clients = tokio::spawn(load::run_clients(
+        workload.clone(),
+        documents,
+        fleet.router_urls(),
+        args.concurrency as usize,
+        stop_at,
+        metrics::http_client(),
+        tx,
+    ));
+    let bar = progress(total, "demo".into());
+    let mut samples = Vec::new();
+    let mut snaps: Vec<Snapshot> = Vec::new();
+    let marks = [start + settle, start + half, start + half + settle, stop_at];
+    let mut switched = false;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            s = rx.recv() => match s { Some(s) => samples.push(s), None => break },
+            _ = tick.tick() => {
+                let now = Instant::now();
+                bar.set_position(now.saturating_duration_since(start).as_millis() as u64);
+                if snaps.len() < marks.len() && now >= marks[snaps.len()] {
+                    snaps.push(snapshot(&fleet).await?);
+                }
+                if !switched && now >= start + half {
+                    fleet.set_strategy(RoutingStrategy::PrefixAware).await?;
+                    bar.println("switched the variant to PREFIX_AWARE with UpdateEndpointConfig (no restart)");
+                    switched = true;
+                }
+                bar.set_message(if switched { "PREFIX_AWARE" } else { "RANDOM" });
+            }
+        }
+    }
+    clients.await?;
+    bar.finish_and_clear();
+    while snaps.len() < marks.len() {
+        snaps.push(snapshot(&fleet).await?);
+    }
+    let urls = fleet.engine_urls();
+    let half_result = |strategy, from: &Snapshot, to: &Snapshot| {
+        let measured: Vec<&Sample> = samples.iter().filter(|s| s.done >= from.at && s.done <= to.at).collect();
+        StrategyResult::compute(
+            strategy,
+            args.time_scale,
+            &measured,
+            &from.engines,
+            &to.engines,
+            to.at - from.at,
+            &metrics::Histogram::default(),
+            urls.clone(),
+            None,
+        )
+    };
+    let random = half_result(RoutingStrategy::Random, &snaps[0], &snaps[1]);
+    let prefix = half_result(RoutingStrategy::PrefixAware, &snaps[2], &snaps[3]);
+    fleet.stop().await;
+    report::print_demo(&random, &prefix);
+    Ok(())
+}

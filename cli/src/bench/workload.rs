@@ -1,0 +1,339 @@
+//! Benchmark workloads, generated deterministically from a seed.
+//!
+//! Every workload is a set of closed-loop clients. Each client draws its requests from its own
+//! RNG (seeded from the run seed and the client number), so a run is reproducible whatever the
+//! scheduling. Sizes are chosen so that the distinct prefixes overflow one engine's KV cache but
+//! fit the fleet's: the engines' capacity is part of the workload ([`Workload::kv_capacity_tokens`]).
+//!
+//! Text is made of pseudo-words; 4 bytes make a token (engine-sim's rule).
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, LogNormal, Zipf};
+
+/// The workloads `prefixctl bench --workload` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// 8,000-token documents of Zipf popularity, each request one document plus a unique question.
+    LongContext,
+    /// ShareGPT-like multi-turn chats behind a short common system prompt.
+    Sharegpt,
+    /// A few 2,500-token system prompts shared by many multi-turn users.
+    SystemPromptChat,
+    /// long-context while an instance joins and later one leaves.
+    Autoscale,
+}
+
+impl WorkloadKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::LongContext => "long-context",
+            WorkloadKind::Sharegpt => "sharegpt",
+            WorkloadKind::SystemPromptChat => "system-prompt-chat",
+            WorkloadKind::Autoscale => "autoscale",
+        }
+    }
+}
+
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// One request a client sends.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub messages: Vec<Message>,
+    pub max_tokens: u32,
+    /// What the placement of this request should follow (document or conversation id); used
+    /// to count how many keys moved when the fleet changes.
+    pub affinity: u64,
+}
+
+impl Request {
+    /// The OpenAI chat body, streaming, with usage in the last chunk.
+    pub fn body(&self, model: &str) -> Vec<u8> {
+        let messages: Vec<serde_json::Value> = self
+            .messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({
+            "model": model,
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        }))
+        .expect("a JSON value serializes")
+    }
+
+    pub fn prompt_bytes(&self) -> usize {
+        self.messages.iter().map(|m| m.role.len() + m.content.len() + 2).sum()
+    }
+}
+
+/// Parameters of a workload, fixed per kind; printed into the bench JSON `config`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Workload {
+    pub kind: WorkloadKind,
+    pub seed: u64,
+    /// KV capacity of each engine, in tokens.
+    pub kv_capacity_tokens: u64,
+    /// long-context: documents in the pool, their length, and the Zipf exponent of popularity.
+    pub documents: usize,
+    pub document_tokens: usize,
+    pub zipf_exponent: f64,
+    /// Chats: system prompts, their length, and turns per conversation (min..=max).
+    pub system_prompts: usize,
+    pub system_prompt_tokens: usize,
+    pub min_turns: u32,
+    pub max_turns: u32,
+    /// Median user message and assistant reply lengths (log-normal), in tokens.
+    pub user_tokens_median: f64,
+    pub reply_tokens_median: f64,
+    /// Output tokens of a long-context answer.
+    pub answer_tokens: u32,
+    /// Suggested PREFIX_AWARE `prefix_length` (characters) covering the shared part plus the
+    /// start of the unique part, as the reference product's docs advise.
+    pub prefix_length: u32,
+    #[serde(skip)]
+    vocabulary: Vec<String>,
+}
+
+impl Workload {
+    pub fn new(kind: WorkloadKind, seed: u64) -> Self {
+        let mut w = Workload {
+            kind,
+            seed,
+            kv_capacity_tokens: 0,
+            documents: 0,
+            document_tokens: 0,
+            zipf_exponent: 0.0,
+            system_prompts: 0,
+            system_prompt_tokens: 0,
+            min_turns: 1,
+            max_turns: 1,
+            user_tokens_median: 0.0,
+            reply_tokens_median: 0.0,
+            answer_tokens: 0,
+            prefix_length: 4096,
+            vocabulary: vocabulary(seed),
+        };
+        match kind {
+            WorkloadKind::LongContext | WorkloadKind::Autoscale => {
+                // 80 documents x 8,000 tokens = 640k tokens: about 11 documents per engine of 7,
+                // against a capacity of 17 per engine (136k) and 119 for the fleet.
+                w.documents = 80;
+                w.document_tokens = 8000;
+                w.zipf_exponent = 0.8;
+                w.kv_capacity_tokens = 136_000;
+                w.answer_tokens = 24;
+                w.prefix_length = 4096;
+            }
+            WorkloadKind::Sharegpt => {
+                w.system_prompts = 1;
+                w.system_prompt_tokens = 60;
+                w.min_turns = 2;
+                w.max_turns = 12;
+                w.user_tokens_median = 60.0;
+                w.reply_tokens_median = 160.0;
+                w.kv_capacity_tokens = 48_000;
+                w.prefix_length = 4096;
+            }
+            WorkloadKind::SystemPromptChat => {
+                w.system_prompts = 3;
+                w.system_prompt_tokens = 2500;
+                w.min_turns = 3;
+                w.max_turns = 10;
+                w.user_tokens_median = 80.0;
+                w.reply_tokens_median = 120.0;
+                w.kv_capacity_tokens = 48_000;
+                w.prefix_length = 16384;
+            }
+        }
+        w
+    }
+
+    /// Deterministic text of about `tokens` tokens, a function of `stream` only.
+    pub fn text(&self, stream: u64, tokens: usize) -> String {
+        let mut rng = SmallRng::seed_from_u64(self.seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        self.text_from(&mut rng, tokens)
+    }
+
+    fn text_from(&self, rng: &mut SmallRng, tokens: usize) -> String {
+        let bytes = tokens * BYTES_PER_TOKEN;
+        let mut s = String::with_capacity(bytes + 16);
+        while s.len() < bytes {
+            let w = &self.vocabulary[rng.random_range(0..self.vocabulary.len())];
+            s.push_str(w);
+            s.push(' ');
+        }
+        s.truncate(bytes);
+        s
+    }
+
+    pub fn document(&self, doc: usize) -> String {
+        self.text(1_000_000 + doc as u64, self.document_tokens)
+    }
+
+    /// The document pool, built once per run and shared by the clients.
+    pub fn documents(&self) -> Vec<std::sync::Arc<str>> {
+        (0..self.documents).map(|d| std::sync::Arc::<str>::from(self.document(d))).collect()
+    }
+
+    pub fn system_prompt(&self, i: usize) -> String {
+        format!("You are assistant #{i}. {}", self.text(2_000_000 + i as u64, self.system_prompt_tokens))
+    }
+
+    /// The request stream of one client.
+    pub fn client(&self, client: usize) -> ClientState {
+        let rng = SmallRng::seed_from_u64(self.seed.wrapping_mul(31).wrapping_add(client as u64 + 1));
+        ClientState { client, rng, conversation: None, served: 0, conversations_started: 0 }
+    }
+}
+
+/// The vocabulary: 4,096 pseudo-words of 2 to 9 letters.
+fn vocabulary(seed: u64) -> Vec<String> {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x5EED);
+    (0..4096)
+        .map(|_| {
+            let len = rng.random_range(2..10);
+            (0..len).map(|_| (b'a' + rng.random_range(0..26u8)) as char).collect()
+        })
+        .collect()
+}
+
+/// A multi-turn conversation in progress.
+#[derive(Debug, Clone)]
+struct Conversation {
+    id: u64,
+    history: Vec<Message>,
+    turns_left: u32,
+}
+
+/// One closed-loop client's position in its request stream.
+pub struct ClientState {
+    client: usize,
+    rng: SmallRng,
+    conversation: Option<Conversation>,
+    served: u64,
+    conversations_started: u64,
+}
+
+impl ClientState {
+    /// The next request. For chats, `last_reply` is the assistant text the previous turn
+    /// returned (the next turn resends it, as a chat UI does).
+    pub fn next(&mut self, w: &Workload, documents: &[std::sync::Arc<str>], last_reply: Option<String>) -> Request {
+        self.served += 1;
+        match w.kind {
+            WorkloadKind::LongContext | WorkloadKind::Autoscale => self.next_document(w, documents),
+            WorkloadKind::Sharegpt | WorkloadKind::SystemPromptChat => self.next_turn(w, last_reply),
+        }
+    }
+
+    fn next_document(&mut self, w: &Workload, documents: &[std::sync::Arc<str>]) -> Request {
+        let zipf = Zipf::new(w.documents as f64, w.zipf_exponent).expect("valid Zipf parameters");
+        let doc = zipf.sample(&mut self.rng) as usize - 1;
+        let question = w.text_from(&mut self.rng, 40);
+        let content = format!("{}\n\nQuestion from client {} #{}: {question}?", documents[doc], self.client, self.served);
+        Request { messages: vec![Message { role: "user", content }], max_tokens: w.answer_tokens, affinity: doc as u64 }
+    }
+
+    fn next_turn(&mut self, w: &Workload, last_reply: Option<String>) -> Request {
+        let user_len = LogNormal::new(w.user_tokens_median.ln(), 0.6).expect("valid log-normal");
+        let reply_len = LogNormal::new(w.reply_tokens_median.ln(), 0.5).expect("valid log-normal");
+        let continuing = match (&mut self.conversation, last_reply) {
+            (Some(c), Some(reply)) if c.turns_left > 0 => {
+                c.history.push(Message { role: "assistant", content: reply });
+                true
+            }
+            _ => false,
+        };
+        if !continuing {
+            self.conversations_started += 1;
+            let id = (self.client as u64) << 32 | self.conversations_started;
+            let system = self.rng.random_range(0..w.system_prompts.max(1));
+            let turns = self.rng.random_range(w.min_turns..=w.max_turns);
+            self.conversation = Some(Conversation {
+                id,
+                history: vec![Message { role: "system", content: w.system_prompt(system) }],
+                turns_left: turns,
+            });
+        }
+        let tokens = (user_len.sample(&mut self.rng) as usize).clamp(4, 2000);
+        let user = w.text_from(&mut self.rng, tokens);
+        let c = self.conversation.as_mut().expect("a conversation is open");
+        c.history.push(Message { role: "user", content: user });
+        c.turns_left -= 1;
+        let max_tokens = (reply_len.sample(&mut self.rng) as u32).clamp(8, 1000);
+        Request { messages: c.history.clone(), max_tokens, affinity: c.id }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn docs(w: &Workload) -> Vec<std::sync::Arc<str>> {
+        w.documents()
+    }
+
+    #[test]
+    fn same_seed_same_requests() {
+        let w = Workload::new(WorkloadKind::LongContext, 7);
+        let d = docs(&w);
+        let mut a = w.client(3);
+        let mut b = Workload::new(WorkloadKind::LongContext, 7).client(3);
+        for _ in 0..20 {
+            assert_eq!(a.next(&w, &d, None).messages, b.next(&w, &d, None).messages);
+        }
+        let other = Workload::new(WorkloadKind::LongContext, 8);
+        assert_ne!(w.document(0), other.document(0));
+    }
+
+    #[test]
+    fn long_context_sizes_and_skew() {
+        let w = Workload::new(WorkloadKind::LongContext, 1);
+        let d = docs(&w);
+        assert_eq!(w.document(5).len(), 8000 * BYTES_PER_TOKEN);
+        let mut c = w.client(0);
+        let mut counts = vec![0u32; w.documents];
+        for _ in 0..4000 {
+            counts[c.next(&w, &d, None).affinity as usize] += 1;
+        }
+        assert!(counts[0] > counts[40] * 5, "popularity is skewed: {counts:?}");
+        // Overflows one engine, fits the fleet of 7.
+        let pool = (w.documents * w.document_tokens) as u64;
+        assert!(pool > w.kv_capacity_tokens && pool < 7 * w.kv_capacity_tokens);
+    }
+
+    #[test]
+    fn chats_resend_their_history() {
+        let w = Workload::new(WorkloadKind::SystemPromptChat, 1);
+        let mut c = w.client(0);
+        let first = c.next(&w, &[], None);
+        assert_eq!(first.messages.len(), 2);
+        assert!(first.messages[0].content.len() >= 2500 * BYTES_PER_TOKEN);
+        let second = c.next(&w, &[], Some("the reply".into()));
+        assert_eq!(second.messages[..2], first.messages[..]);
+        assert_eq!(second.messages[2], Message { role: "assistant", content: "the reply".into() });
+        assert_eq!(second.affinity, first.affinity);
+        // A conversation ends after its turns and the next one starts afresh.
+        let mut last = second;
+        for _ in 0..20 {
+            let next = c.next(&w, &[], Some("r".into()));
+            if next.affinity != last.affinity {
+                assert_eq!(next.messages.len(), 2);
+                return;
+            }
+            last = next;
+        }
+        panic!("conversations never ended");
+    }
+}

@@ -1,0 +1,103 @@
+//! Router settings: the binary's flags, and what in-process users (tests, `prefixctl up`, bench)
+//! fill in (`Config { control_plane: ..., ..Config::default() }`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// prefix-router data plane: a stateless HTTP router for LLM inference fleets.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "data-plane", version, about)]
+pub struct Config {
+    /// Address to serve HTTP on (used by the binary; `serve` takes a bound listener).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: String,
+
+    /// Control-plane gRPC URL to watch routing tables from.
+    #[arg(long, default_value = "http://127.0.0.1:7070")]
+    pub control_plane: String,
+
+    /// This router's node id, reported to the control plane (default: hostname-pid).
+    #[arg(long)]
+    pub node_id: Option<String>,
+
+    /// Endpoint for OpenAI requests with no x-endpoint-name header and no model naming an endpoint.
+    #[arg(long)]
+    pub default_endpoint: Option<String>,
+
+    /// File holding the last good routing table (encoded proto): loaded at start, rewritten
+    /// atomically after each applied table, so a restarted router serves without the control plane.
+    #[arg(long)]
+    pub table_cache: Option<PathBuf>,
+
+    /// Largest request body read (bigger: 413).
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+
+    /// Per-request timeout in milliseconds, from the request's arrival to the end of the response
+    /// body (504 if no response head came in time).
+    #[arg(long, default_value_t = 300_000)]
+    pub request_timeout_ms: u64,
+
+    /// Entries in the local prefix index (hard memory cap; 0 disables it).
+    #[arg(long, default_value_t = 100_000)]
+    pub prefix_index_capacity: usize,
+
+    /// Bounded-load factor in percent: an instance takes a key only while its in-flight count is
+    /// under ceil(factor/100 * (variant in-flight + 1) / instances).
+    #[arg(long, default_value_t = 125, value_parser = clap::value_parser!(u32).range(100..=1000))]
+    pub hash_balance_factor: u32,
+
+    /// On shutdown, how long in-flight requests may take to finish before connections are closed.
+    #[arg(long, default_value_t = 30_000)]
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        <Config as clap::Parser>::parse_from(["data-plane"])
+    }
+}
+
+impl Config {
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// `--node-id`, else `hostname-pid`, else a random id.
+    pub fn resolved_node_id(&self) -> String {
+        if let Some(id) = self.node_id.as_ref().filter(|s| !s.is_empty()) {
+            return id.clone();
+        }
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty());
+        match host {
+            Some(h) => format!("{h}-{}", std::process::id()),
+            None => format!("data-plane-{:016x}", rand::random::<u64>()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn defaults_and_flags() {
+        let c = Config::default();
+        assert_eq!(c.listen, "127.0.0.1:8080");
+        assert_eq!(c.control_plane, "http://127.0.0.1:7070");
+        assert_eq!(c.max_body_bytes, 8 << 20);
+        assert_eq!(c.request_timeout_ms, 300_000);
+        assert_eq!(c.prefix_index_capacity, 100_000);
+        assert_eq!(c.hash_balance_factor, 125);
+        assert!(!c.resolved_node_id().is_empty());
+        let c = Config::parse_from(["data-plane", "--node-id", "n1", "--hash-balance-factor", "200"]);
+        assert_eq!(c.resolved_node_id(), "n1");
+        assert_eq!(c.hash_balance_factor, 200);
+        assert!(Config::try_parse_from(["data-plane", "--hash-balance-factor", "99"]).is_err());
+    }
+}

@@ -1,0 +1,713 @@
+//! Placement: endpoint, variant and instance for one request.
+//!
+//! PREFIX_AWARE ranks a variant's instances by rendezvous (highest random weight) hashing of the
+//! prompt key against each instance's id hash, so every router replica with the same table sends
+//! the same prompt to the same instance, and adding or removing one of n instances moves about
+//! 1/(n+1) of the keys. Bounded load (Mirrokni et al.): the key walks its ranking to the first
+//! instance whose in-flight count is under `ceil(c * (variant_in_flight + 1) / n)` and under the
+//! variant's `concurrency_threshold`; a [`PrefixIndex`] remembers where a spilled key went so a
+//! hot key keeps spilling to the same second instance.
+//!
+//! No allocation per decision unless a key walks past several full instances of a variant with
+//! more than 64 instances.
+
+use http::HeaderValue;
+use rand::Rng;
+
+use crate::load::now_ms;
+use crate::prefix_index::PrefixIndex;
+use crate::prompt::{find_model, prompt_key, seed_for, BodyKind};
+use crate::table::{Endpoint, PrefixAware, RoutingTable, Strategy, Variant};
+
+/// Why an instance was chosen (the `x-prefix-router-decision` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Decision {
+    /// RANDOM.
+    Random = 0,
+    /// LEAST_OUTSTANDING_REQUESTS.
+    LeastOutstanding = 1,
+    /// PREFIX_AWARE: the top choice was over its cap; the local index remembered where the key
+    /// spilled before, and that instance had room.
+    PrefixMatch = 2,
+    /// PREFIX_AWARE: the rendezvous top choice.
+    PrefixHash = 3,
+    /// PREFIX_AWARE: the top choice was skipped (load cap, concurrency threshold or ejection).
+    OverloadBypass = 4,
+}
+
+impl Decision {
+    pub const ALL: [Decision; 5] = [
+        Decision::Random,
+        Decision::LeastOutstanding,
+        Decision::PrefixMatch,
+        Decision::PrefixHash,
+        Decision::OverloadBypass,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Random => "random",
+            Decision::LeastOutstanding => "least_outstanding",
+            Decision::PrefixMatch => "prefix_match",
+            Decision::PrefixHash => "prefix_hash",
+            Decision::OverloadBypass => "overload_bypass",
+        }
+    }
+
+    pub fn header(self) -> HeaderValue {
+        HeaderValue::from_static(self.as_str())
+    }
+}
+
+/// Why a request could not be placed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RouteError {
+    #[error("unknown endpoint {0:?}")]
+    UnknownEndpoint(String),
+    #[error("no endpoint given: set the x-endpoint-name header or a model field naming an endpoint{}",
+        .model.as_ref().map(|m| format!(" (model {m:?} names no endpoint)")).unwrap_or_default())]
+    NoEndpoint { model: Option<String> },
+    #[error("unknown variant {variant:?} for endpoint {endpoint:?}")]
+    UnknownVariant { endpoint: String, variant: String },
+    #[error("endpoint {0:?} has no production variants")]
+    NoVariant(String),
+    #[error("variant {variant:?} of endpoint {endpoint:?} has no instances")]
+    NoInstance { endpoint: String, variant: String },
+}
+
+impl RouteError {
+    /// The HTTP status this error answers with.
+    pub fn status(&self) -> u16 {
+        match self {
+            RouteError::UnknownEndpoint(_) | RouteError::NoEndpoint { .. } | RouteError::UnknownVariant { .. } => 404,
+            RouteError::NoVariant(_) | RouteError::NoInstance { .. } => 503,
+        }
+    }
+}
+
+/// What a placement looks at in a request.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    pub kind: BodyKind,
+    pub body: &'a [u8],
+    /// Endpoint named by the path (`/endpoints/{e}/invocations`) or the `x-endpoint-name` header.
+    pub endpoint: Option<&'a str>,
+    /// `x-target-variant`.
+    pub target_variant: Option<&'a str>,
+    /// `x-prefix-aware-id`.
+    pub prefix_aware_id: Option<&'a [u8]>,
+}
+
+/// Where one request goes.
+#[derive(Debug, Clone, Copy)]
+pub struct Route<'t> {
+    pub endpoint: &'t Endpoint,
+    pub variant: &'t Variant,
+    /// Index into `variant.instances()`.
+    pub instance: usize,
+    pub decision: Decision,
+    /// The prompt key hash (PREFIX_AWARE only).
+    pub key: Option<u64>,
+}
+
+/// The router's placement policy: settings plus the local prefix index.
+#[derive(Debug)]
+pub struct Placement {
+    index: PrefixIndex,
+    /// Bounded-load factor c, in percent (125 = 1.25).
+    balance_percent: u32,
+    default_endpoint: Option<String>,
+}
+
+impl Placement {
+    pub fn new(prefix_index_capacity: usize, balance_percent: u32, default_endpoint: Option<String>) -> Self {
+        Placement {
+            index: PrefixIndex::new(prefix_index_capacity),
+            balance_percent: balance_percent.clamp(100, 1000),
+            default_endpoint,
+        }
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Endpoint, variant and instance for a request.
+    pub fn route<'t>(&self, table: &'t RoutingTable, req: &RouteRequest<'_>) -> Result<Route<'t>, RouteError> {
+        let endpoint = self.endpoint(table, req)?;
+        let variant = match req.target_variant {
+            Some(name) => endpoint.variant(name).ok_or_else(|| RouteError::UnknownVariant {
+                endpoint: endpoint.name().to_string(),
+                variant: name.to_string(),
+            })?,
+            None if endpoint.variants().len() == 1 => &endpoint.variants()[0],
+            None => endpoint
+                .pick_variant(rand::rng().random::<f64>())
+                .ok_or_else(|| RouteError::NoVariant(endpoint.name().to_string()))?,
+        };
+        let key = match variant.strategy() {
+            Strategy::PrefixAware(pa) => {
+                let seed = seed_for(req.prefix_aware_id);
+                Some(prompt_key(req.kind, req.body, pa.prefix_length as usize, seed).hash)
+            }
+            _ => None,
+        };
+        let (instance, decision) =
+            self.choose(variant, key, None, now_ms()).ok_or_else(|| RouteError::NoInstance {
+                endpoint: endpoint.name().to_string(),
+                variant: variant.name().to_string(),
+            })?;
+        Ok(Route { endpoint, variant, instance, decision, key })
+    }
+
+    fn endpoint<'t>(&self, table: &'t RoutingTable, req: &RouteRequest<'_>) -> Result<&'t Endpoint, RouteError> {
+        if let Some(name) = req.endpoint {
+            return table.endpoint(name).ok_or_else(|| RouteError::UnknownEndpoint(name.to_string()));
+        }
+        let model = match req.kind {
+            BodyKind::OpenAi => find_model(req.body),
+            BodyKind::Raw => None,
+        };
+        if let Some(e) = model.as_deref().and_then(|m| table.endpoint(m)) {
+            return Ok(e);
+        }
+        match &self.default_endpoint {
+            Some(name) => table.endpoint(name).ok_or_else(|| RouteError::UnknownEndpoint(name.clone())),
+            None => Err(RouteError::NoEndpoint { model: model.map(|m| m.into_owned()) }),
+        }
+    }
+
+    /// An instance of `variant` by its strategy, never `exclude` (the instance a retry leaves).
+    pub fn choose(
+        &self,
+        variant: &Variant,
+        key: Option<u64>,
+        exclude: Option<usize>,
+        now_ms: u64,
+    ) -> Option<(usize, Decision)> {
+        match (variant.strategy(), key) {
+            (Strategy::PrefixAware(pa), Some(key)) => self.prefix_aware(variant, key, pa, exclude, now_ms),
+            (Strategy::LeastOutstandingRequests, _) => {
+                least_loaded(variant, exclude, now_ms).map(|i| (i, Decision::LeastOutstanding))
+            }
+            _ => random(variant, exclude, now_ms).map(|i| (i, Decision::Random)),
+        }
+    }
+
+    fn prefix_aware(
+        &self,
+        v: &Variant,
+        key: u64,
+        pa: PrefixAware,
+        exclude: Option<usize>,
+        now: u64,
+    ) -> Option<(usize, Decision)> {
+        let hashes = v.id_hashes();
+        let n = hashes.len() as u64;
+        if n == 0 {
+            return None;
+        }
+        let cap = (self.balance_percent as u64 * (v.load().outstanding() + 1)).div_ceil(100 * n);
+        let limit = cap.min(pa.concurrency_threshold as u64);
+        let instances = v.instances();
+        let ok = |i: usize| {
+            Some(i) != exclude && instances[i].state().outstanding() < limit && !instances[i].state().is_ejected(now)
+        };
+        let (top, top_score) = rendezvous_top(hashes, key);
+        if ok(top) {
+            return Some((top, Decision::PrefixHash));
+        }
+        let index_key = key ^ v.salt();
+        if let Some(remembered) = self.index.get(index_key) {
+            if let Some(j) = hashes.iter().position(|&h| h == remembered) {
+                if j != top && ok(j) {
+                    return Some((j, Decision::PrefixMatch));
+                }
+            }
+        }
+        for i in RendezvousWalk::new(hashes, key, top, top_score) {
+            if ok(i) {
+                self.index.insert(index_key, hashes[i]);
+                return Some((i, Decision::OverloadBypass));
+            }
+        }
+        least_loaded(v, exclude, now).map(|i| (i, Decision::OverloadBypass))
+    }
+}
+
+/// The murmur3 64-bit finalizer: a bijective mix.
+#[inline]
+fn fmix64(mut k: u64) -> u64 {
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^ (k >> 33)
+}
+
+/// Rendezvous score of an instance for a key; higher ranks first.
+#[inline]
+pub fn rendezvous_score(key: u64, id_hash: u64) -> u64 {
+    fmix64(key ^ id_hash)
+}
+
+/// Ranking order: higher score first, then lower index (a total order, the same on every replica).
+#[inline]
+fn before(a: (u64, usize), b: (u64, usize)) -> bool {
+    a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+}
+
+/// The rendezvous top choice and its score. `hashes` must not be empty.
+#[inline]
+pub fn rendezvous_top(hashes: &[u64], key: u64) -> (usize, u64) {
+    let mut best = (rendezvous_score(key, hashes[0]), 0);
+    for (i, &h) in hashes.iter().enumerate().skip(1) {
+        let s = rendezvous_score(key, h);
+        if s > best.0 {
+            best = (s, i);
+        }
+    }
+    (best.1, best.0)
+}
+
+/// Linear steps before a walk sorts the whole ranking.
+const LINEAR_STEPS: usize = 3;
+/// Variants up to this size sort their ranking on the stack.
+const STACK_RANKING: usize = 64;
+
+/// Iterates a variant's instances in rendezvous order after the top choice: a few O(n) steps
+/// (the common spill finds room at once), then a full sort (on the stack up to 64 instances).
+pub struct RendezvousWalk<'a> {
+    hashes: &'a [u64],
+    key: u64,
+    last: (u64, usize),
+    steps: usize,
+    sorted: Sorted,
+}
+
+// The stack ranking is the point: no heap allocation for variants of up to 64 instances.
+#[allow(clippy::large_enum_variant)]
+enum Sorted {
+    No,
+    Stack { ranking: [(u64, u32); STACK_RANKING], len: usize, pos: usize },
+    Heap { ranking: Vec<(u64, u32)>, pos: usize },
+}
+
+impl<'a> RendezvousWalk<'a> {
+    pub fn new(hashes: &'a [u64], key: u64, top: usize, top_score: u64) -> Self {
+        RendezvousWalk { hashes, key, last: (top_score, top), steps: 1, sorted: Sorted::No }
+    }
+
+    fn sort(&mut self) {
+        let n = self.hashes.len();
+        let fill = |ranking: &mut [(u64, u32)]| {
+            for (i, slot) in ranking.iter_mut().enumerate() {
+                *slot = (rendezvous_score(self.key, self.hashes[i]), i as u32);
+            }
+            ranking.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        };
+        self.sorted = if n <= STACK_RANKING {
+            let mut ranking = [(0u64, 0u32); STACK_RANKING];
+            fill(&mut ranking[..n]);
+            Sorted::Stack { ranking, len: n, pos: self.steps }
+        } else {
+            let mut ranking = vec![(0u64, 0u32); n];
+            fill(&mut ranking);
+            Sorted::Heap { ranking, pos: self.steps }
+        };
+    }
+}
+
+impl Iterator for RendezvousWalk<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        if self.steps >= self.hashes.len() {
+            return None;
+        }
+        if self.steps < LINEAR_STEPS {
+            let mut best: Option<(u64, usize)> = None;
+            for (i, &h) in self.hashes.iter().enumerate() {
+                let c = (rendezvous_score(self.key, h), i);
+                if before(self.last, c) && best.is_none_or(|b| before(c, b)) {
+                    best = Some(c);
+                }
+            }
+            let best = best?;
+            self.last = best;
+            self.steps += 1;
+            return Some(best.1);
+        }
+        if matches!(self.sorted, Sorted::No) {
+            self.sort();
+        }
+        self.steps += 1;
+        match &mut self.sorted {
+            Sorted::Stack { ranking, len, pos } => {
+                let r = ranking[..*len].get(*pos)?;
+                *pos += 1;
+                Some(r.1 as usize)
+            }
+            Sorted::Heap { ranking, pos } => {
+                let r = ranking.get(*pos)?;
+                *pos += 1;
+                Some(r.1 as usize)
+            }
+            Sorted::No => None,
+        }
+    }
+}
+
+/// Fewest in-flight requests, uniform among ties (reservoir sampling with a cheap generator
+/// seeded once per decision); ejected instances only if all are ejected.
+pub fn least_loaded(v: &Variant, exclude: Option<usize>, now: u64) -> Option<usize> {
+    let mut x = rand::rng().random::<u64>() | 1;
+    for allow_ejected in [false, true] {
+        let mut best: Option<usize> = None;
+        let mut best_load = u64::MAX;
+        let mut ties = 0u64;
+        for (i, inst) in v.instances().iter().enumerate() {
+            if Some(i) == exclude || (!allow_ejected && inst.state().is_ejected(now)) {
+                continue;
+            }
+            let load = inst.state().outstanding();
+            if load < best_load {
+                best = Some(i);
+                best_load = load;
+                ties = 1;
+            } else if load == best_load {
+                ties += 1;
+                // xorshift64, then keep this one with probability 1/ties
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if ((x >> 32) * ties) >> 32 == 0 {
+                    best = Some(i);
+                }
+            }
+        }
+        if best.is_some() {
+            return best;
+        }
+    }
+    None
+}
+
+/// Uniform; an ejected pick moves on to the next healthy instance.
+pub fn random(v: &Variant, exclude: Option<usize>, now: u64) -> Option<usize> {
+    let n = v.instances().len();
+    let available = n - usize::from(exclude.is_some_and(|x| x < n));
+    if available == 0 {
+        return None;
+    }
+    let mut r = rand::rng().random_range(0..available);
+    if exclude.is_some_and(|x| r >= x) {
+        r += 1;
+    }
+    if !v.instances()[r].state().is_ejected(now) {
+        return Some(r);
+    }
+    (1..n)
+        .map(|d| (r + d) % n)
+        .find(|&i| Some(i) != exclude && !v.instances()[i].state().is_ejected(now))
+        .or(Some(r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::InFlight;
+    use crate::table::tests::{table, variant};
+    use proto::RoutingStrategy;
+
+    fn addrs(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("http://10.0.0.{i}:8000")).collect()
+    }
+
+    fn build(strategy: RoutingStrategy, addresses: &[String], threshold: u32) -> RoutingTable {
+        let a: Vec<&str> = addresses.iter().map(|s| s.as_str()).collect();
+        let mut v = variant("v1", strategy, &a);
+        v.routing_config.as_mut().unwrap().prefix_aware_routing_config.as_mut().unwrap().concurrency_threshold =
+            threshold;
+        RoutingTable::try_from(table(1, "e", vec![v])).unwrap()
+    }
+
+    fn chat_body(user: &str) -> Vec<u8> {
+        format!(r#"{{"model":"e","messages":[{{"role":"system","content":"You are helpful."}},{{"role":"user","content":"{user}"}}]}}"#)
+            .into_bytes()
+    }
+
+    fn req(body: &[u8]) -> RouteRequest<'_> {
+        RouteRequest { kind: BodyKind::OpenAi, body, endpoint: None, target_variant: None, prefix_aware_id: None }
+    }
+
+    fn policy() -> Placement {
+        Placement::new(1000, 125, None)
+    }
+
+    fn variant_of(t: &RoutingTable) -> &Variant {
+        &t.endpoint("e").unwrap().variants()[0]
+    }
+
+    #[test]
+    fn rendezvous_walk_visits_every_instance_in_score_order() {
+        for n in [1usize, 2, 5, 64, 65, 200] {
+            let hashes: Vec<u64> = (0..n as u64).map(|i| fmix64(i + 1)).collect();
+            for key in [1u64, 42, u64::MAX] {
+                let mut expected: Vec<usize> = (0..n).collect();
+                expected.sort_by(|&a, &b| {
+                    rendezvous_score(key, hashes[b]).cmp(&rendezvous_score(key, hashes[a])).then(a.cmp(&b))
+                });
+                let (top, score) = rendezvous_top(&hashes, key);
+                let mut got = vec![top];
+                got.extend(RendezvousWalk::new(&hashes, key, top, score));
+                assert_eq!(got, expected, "n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn prefix_aware_is_a_pure_function_of_table_and_prompt() {
+        // Two independently built tables (two routers) place every prompt identically.
+        let t1 = build(RoutingStrategy::PrefixAware, &addrs(7), 8);
+        let t2 = build(RoutingStrategy::PrefixAware, &addrs(7), 8);
+        let (p1, p2) = (policy(), policy());
+        let mut used = std::collections::HashSet::new();
+        for i in 0..200 {
+            let body = chat_body(&format!("question {i}"));
+            let a = p1.route(&t1, &req(&body)).unwrap();
+            let b = p2.route(&t2, &req(&body)).unwrap();
+            assert_eq!(a.variant.instances()[a.instance].id(), b.variant.instances()[b.instance].id());
+            assert_eq!((a.decision, b.decision), (Decision::PrefixHash, Decision::PrefixHash));
+            used.insert(a.instance);
+        }
+        assert_eq!(used.len(), 7, "keys spread over all instances");
+        // and the choice for a fixed input is fixed: the top rendezvous score
+        let body = chat_body("fixed");
+        let key = prompt_key(BodyKind::OpenAi, &body, 1024, seed_for(None)).hash;
+        let r = p1.route(&t1, &req(&body)).unwrap();
+        assert_eq!(r.key, Some(key));
+        assert_eq!(r.instance, rendezvous_top(variant_of(&t1).id_hashes(), key).0);
+    }
+
+    #[test]
+    fn random_and_least_outstanding_choices() {
+        let t = build(RoutingStrategy::LeastOutstandingRequests, &addrs(3), 8);
+        let v = variant_of(&t);
+        let p = policy();
+        let _a = InFlight::start(v.instances()[0].state(), v.load());
+        let _b = InFlight::start(v.instances()[2].state(), v.load());
+        for _ in 0..50 {
+            assert_eq!(p.choose(v, None, None, 1), Some((1, Decision::LeastOutstanding)));
+        }
+        let _c = InFlight::start(v.instances()[1].state(), v.load());
+        let _d = InFlight::start(v.instances()[1].state(), v.load());
+        // 0 and 2 tie at one: both get picked
+        let picks: std::collections::HashSet<usize> = (0..100).map(|_| p.choose(v, None, None, 1).unwrap().0).collect();
+        assert_eq!(picks, [0, 2].into_iter().collect());
+        assert_eq!(least_loaded(v, Some(0), 1), Some(2));
+
+        let t = build(RoutingStrategy::Random, &addrs(4), 8);
+        let v = variant_of(&t);
+        let mut counts = [0; 4];
+        for _ in 0..4000 {
+            let (i, d) = p.choose(v, None, None, 1).unwrap();
+            assert_eq!(d, Decision::Random);
+            counts[i] += 1;
+        }
+        assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
+        for _ in 0..100 {
+            assert_ne!(random(v, Some(2), 1), Some(2));
+        }
+        let one = build(RoutingStrategy::Random, &addrs(1), 8);
+        assert_eq!(random(variant_of(&one), Some(0), 1), None);
+    }
+
+    #[test]
+    fn hot_key_spills_to_one_remembered_instance() {
+        let t = build(RoutingStrategy::PrefixAware, &addrs(7), 1000);
+        let v = variant_of(&t);
+        let p = policy();
+        let body = chat_body("the hot document");
+        let first = p.route(&t, &req(&body)).unwrap();
+        assert_eq!(first.decision, Decision::PrefixHash);
+        let top = first.instance;
+        let mut held = Vec::new();
+        let mut decisions = Vec::new();
+        // 40 concurrent requests for one key: the cap (1.25 x mean + rounding) forces spills
+        for _ in 0..40 {
+            let r = p.route(&t, &req(&body)).unwrap();
+            held.push(InFlight::start(v.instances()[r.instance].state(), v.load()));
+            decisions.push((r.instance, r.decision));
+        }
+        let on_top = decisions.iter().filter(|d| d.0 == top).count();
+        assert!(on_top < 40, "spilled");
+        let spilled: Vec<_> = decisions.iter().filter(|d| d.0 != top).collect();
+        assert!(spilled.iter().any(|d| d.1 == Decision::PrefixMatch), "{decisions:?}");
+        assert!(spilled.iter().all(|d| d.1 == Decision::PrefixMatch || d.1 == Decision::OverloadBypass));
+        // the cap holds: no instance above ceil(1.25 * (total + 1) / 7) at any point
+        let max = v.instances().iter().map(|i| i.state().outstanding()).max().unwrap();
+        assert!(max <= (125 * 41u64).div_ceil(700), "max {max}");
+        // the first spill goes where the rendezvous ranking says, and the index remembers it
+        let second = RendezvousWalk::new(v.id_hashes(), first.key.unwrap(), top, rendezvous_top(v.id_hashes(), first.key.unwrap()).1)
+            .next()
+            .unwrap();
+        let first_spill = spilled[0];
+        assert_eq!((first_spill.0, first_spill.1), (second, Decision::OverloadBypass));
+        assert!(p.index().get(first.key.unwrap() ^ v.salt()).is_some());
+    }
+
+    #[test]
+    fn remembered_instance_is_preferred_over_the_ranking() {
+        let t = build(RoutingStrategy::PrefixAware, &addrs(7), 1);
+        let v = variant_of(&t);
+        let p = policy();
+        let body = chat_body("k");
+        let key = p.route(&t, &req(&body)).unwrap().key.unwrap();
+        let (top, _) = rendezvous_top(v.id_hashes(), key);
+        // the index says this key spilled to instance `far` before
+        let far = (0..7).find(|&i| i != top).unwrap();
+        p.index().insert(key ^ v.salt(), v.id_hashes()[far]);
+        let _busy = InFlight::start(v.instances()[top].state(), v.load()); // threshold 1: top is full
+        let r = p.route(&t, &req(&body)).unwrap();
+        assert_eq!((r.instance, r.decision), (far, Decision::PrefixMatch));
+    }
+
+    #[test]
+    fn overload_bypass_at_the_concurrency_threshold() {
+        // A generous balance factor so only the threshold matters.
+        let p = Placement::new(1000, 1000, None);
+        let t = build(RoutingStrategy::PrefixAware, &addrs(3), 2);
+        let v = variant_of(&t);
+        let body = chat_body("x");
+        let r = p.route(&t, &req(&body)).unwrap();
+        assert_eq!(r.decision, Decision::PrefixHash);
+        let top = r.instance;
+        let _h1 = InFlight::start(v.instances()[top].state(), v.load());
+        assert_eq!(p.route(&t, &req(&body)).unwrap().instance, top, "1 < threshold 2");
+        let _h2 = InFlight::start(v.instances()[top].state(), v.load());
+        let r = p.route(&t, &req(&body)).unwrap();
+        assert_ne!(r.instance, top, "at the threshold the holder is skipped");
+        assert_eq!(r.decision, Decision::OverloadBypass);
+        // every instance at the threshold: the least loaded one
+        let mut held = Vec::new();
+        for (i, inst) in v.instances().iter().enumerate() {
+            let extra = if i == top { 0 } else { 3 };
+            for _ in 0..extra {
+                held.push(InFlight::start(inst.state(), v.load()));
+            }
+        }
+        let r = p.route(&t, &req(&body)).unwrap();
+        assert_eq!((r.instance, r.decision), (top, Decision::OverloadBypass));
+    }
+
+    #[test]
+    fn ejected_top_choice_sends_keys_to_their_next_choice() {
+        let t = build(RoutingStrategy::PrefixAware, &addrs(5), 8);
+        let v = variant_of(&t);
+        let p = policy();
+        let body = chat_body("y");
+        let r = p.route(&t, &req(&body)).unwrap();
+        let now = now_ms();
+        for _ in 0..3 {
+            v.instances()[r.instance].state().record_failure(now);
+        }
+        let r2 = p.route(&t, &req(&body)).unwrap();
+        let key = r.key.unwrap();
+        let next = RendezvousWalk::new(v.id_hashes(), key, r.instance, rendezvous_top(v.id_hashes(), key).1).next();
+        assert_eq!(Some(r2.instance), next);
+        // retry exclusion works the same way
+        assert_eq!(p.choose(v, Some(key), Some(r2.instance), now).map(|c| c.0 == r2.instance), Some(false));
+    }
+
+    #[test]
+    fn joining_or_leaving_instance_moves_about_one_in_n_plus_one_keys() {
+        let n = 7;
+        let all = addrs(n + 1);
+        let small = build(RoutingStrategy::PrefixAware, &all[..n], 8);
+        let big = build(RoutingStrategy::PrefixAware, &all, 8);
+        let (vs, vb) = (variant_of(&small), variant_of(&big));
+        let keys = 10_000;
+        let mut moved = 0;
+        for k in 0..keys {
+            let key = xxhash_rust::xxh3::xxh3_64(format!("key {k}").as_bytes());
+            let a = vs.instances()[rendezvous_top(vs.id_hashes(), key).0].id();
+            let b = vb.instances()[rendezvous_top(vb.id_hashes(), key).0].id();
+            if a != b {
+                moved += 1;
+                assert_eq!(b, all[n], "a key only ever moves to the new instance");
+            }
+        }
+        let fraction = moved as f64 / keys as f64;
+        let ideal = 1.0 / (n as f64 + 1.0);
+        assert!((fraction - ideal).abs() < 0.02, "moved {fraction}, ideal {ideal}");
+        // removing a middle instance moves exactly its keys
+        let without: Vec<String> = all.iter().enumerate().filter(|(i, _)| *i != 3).map(|(_, a)| a.clone()).collect();
+        let gone = build(RoutingStrategy::PrefixAware, &without, 8);
+        let vg = variant_of(&gone);
+        let mut moved = 0;
+        for k in 0..keys {
+            let key = xxhash_rust::xxh3::xxh3_64(format!("key {k}").as_bytes());
+            let a = vb.instances()[rendezvous_top(vb.id_hashes(), key).0].id();
+            let b = vg.instances()[rendezvous_top(vg.id_hashes(), key).0].id();
+            if a != b {
+                moved += 1;
+                assert_eq!(a, all[3]);
+            }
+        }
+        let fraction = moved as f64 / keys as f64;
+        assert!((fraction - ideal).abs() < 0.02, "moved {fraction}");
+    }
+
+    #[test]
+    fn users_sharing_a_system_prompt_spread_and_their_turns_stay() {
+        let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
+        let p = policy();
+        let system = "You are a support agent for ACME. ".repeat(20);
+        let mut used = std::collections::HashSet::new();
+        for u in 0..50 {
+            let turn1 = format!(
+                r#"{{"model":"e","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"I am user {u}, help"}}]}}"#
+            );
+            let turn2 = format!(
+                r#"{{"model":"e","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"I am user {u}, help"}},{{"role":"assistant","content":"Sure."}},{{"role":"user","content":"thanks"}}]}}"#
+            );
+            let a = p.route(&t, &req(turn1.as_bytes())).unwrap();
+            let b = p.route(&t, &req(turn2.as_bytes())).unwrap();
+            assert_eq!(a.instance, b.instance);
+            used.insert(a.instance);
+        }
+        assert!(used.len() >= 6, "{used:?}");
+    }
+
+    #[test]
+    fn endpoint_and_variant_resolution() {
+        let mut a = variant("a", RoutingStrategy::Random, &["http://a:1"]);
+        a.weight = 1.0;
+        let b = variant("b", RoutingStrategy::Random, &["http://b:1"]);
+        let t = RoutingTable::try_from(table(1, "e", vec![a, b])).unwrap();
+        let p = policy();
+        let body = br#"{"model":"e","prompt":"x"}"#;
+        let r = p.route(&t, &req(body)).unwrap();
+        assert_eq!(r.endpoint.name(), "e");
+        let pinned = RouteRequest { target_variant: Some("b"), ..req(body) };
+        assert_eq!(p.route(&t, &pinned).unwrap().variant.name(), "b");
+        let bad = RouteRequest { target_variant: Some("zz"), ..req(body) };
+        assert_eq!(p.route(&t, &bad).unwrap_err().status(), 404);
+        let by_header = RouteRequest { endpoint: Some("nope"), ..req(body) };
+        assert_eq!(p.route(&t, &by_header).unwrap_err(), RouteError::UnknownEndpoint("nope".into()));
+        let no_model = br#"{"model":"llama","prompt":"x"}"#;
+        assert_eq!(
+            p.route(&t, &req(no_model)).unwrap_err(),
+            RouteError::NoEndpoint { model: Some("llama".into()) }
+        );
+        let with_default = Placement::new(10, 125, Some("e".into()));
+        assert_eq!(with_default.route(&t, &req(no_model)).unwrap().endpoint.name(), "e");
+        // both variants get traffic by weight
+        let names: std::collections::HashSet<&str> = (0..100).map(|_| p.route(&t, &req(body)).unwrap().variant.name()).collect();
+        assert_eq!(names.len(), 2);
+        let empty = RoutingTable::try_from(table(1, "e", vec![variant("a", RoutingStrategy::Random, &[])])).unwrap();
+        assert_eq!(p.route(&empty, &req(body)).unwrap_err().status(), 503);
+    }
+}

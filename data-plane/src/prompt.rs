@@ -1,0 +1,1060 @@
+//! Prompt keys: the affinity key of a request, hashed straight from the body bytes.
+//!
+//! The canonical prompt text matches engine-sim's token and cache accounting:
+//! - chat: for each message in order, `role`, `"\n"`, content text, `"\n"` (content is a string or
+//!   an array of parts whose `text` is taken when `type` is `"text"`);
+//! - completions: the `prompt` string (or the first string of an array);
+//! - `/invocations`, and any body that is not such JSON: the raw bytes.
+//!
+//! The key region is the start of that text: `prefix_length` characters (bytes for raw bodies), and
+//! for chat never past the end of the FIRST user message, so every later turn of a conversation,
+//! which resends that message unchanged, has the same key.
+//!
+//! The region is cut into 64-byte blocks with a chained hash
+//! `h_i = xxh3_64_with_seed(block_i, h_{i-1})`, `h_{-1}` = the seed (xxh3 of `x-prefix-aware-id`,
+//! or a constant); the key is the last (possibly partial) block's hash.
+//!
+//! No full JSON parse: a small tolerant scanner walks the body, feeds decoded text into the block
+//! hasher piece by piece, and stops as soon as the key region is complete. Parsing the rest of a
+//! 32 KiB body with serde_json would cost more than the whole decision budget (see
+//! `benches/decision.rs`). Malformed JSON met on the way falls back to the raw bytes; JSON
+//! errors after the key region are not looked for (the model server rejects such bodies anyway).
+
+use std::borrow::Cow;
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+mod blocks;
+
+use blocks::{string_end, Specials};
+
+/// Bytes per hashed block of the key region.
+pub const BLOCK_BYTES: usize = 64;
+
+/// Seed of the block chain when the request carries no `x-prefix-aware-id`.
+pub const DEFAULT_SEED: u64 = 0x7072_6566_6978_6b79; // "prefixky"
+
+/// How the body of a request is read for its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyKind {
+    /// OpenAI `/v1/chat/completions` or `/v1/completions`: JSON with `messages` or `prompt`.
+    OpenAi,
+    /// `/invocations`: the raw bytes.
+    Raw,
+}
+
+/// Which canonical text a key was taken from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    Chat,
+    Completion,
+    Raw,
+}
+
+/// The affinity key of one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptKey {
+    /// Chain hash of the last block of the key region.
+    pub hash: u64,
+    /// Blocks in the key region (the last one may be partial).
+    pub blocks: u32,
+    /// Length of the key region: characters (chat, completion) or bytes (raw).
+    pub len: u32,
+    pub source: KeySource,
+}
+
+/// The chain seed for a request: xxh3 of its prefix-aware id, or [`DEFAULT_SEED`].
+pub fn seed_for(prefix_aware_id: Option<&[u8]>) -> u64 {
+    match prefix_aware_id {
+        Some(id) if !id.is_empty() => xxh3_64(id),
+        _ => DEFAULT_SEED,
+    }
+}
+
+/// The key of a request body. Never fails: anything unreadable as the expected JSON is keyed by its
+/// raw bytes.
+pub fn prompt_key(kind: BodyKind, body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
+    if kind == BodyKind::OpenAi {
+        if let Some(key) = json_key(body, prefix_length, seed) {
+            return key;
+        }
+    }
+    raw_key(body, prefix_length, seed)
+}
+
+/// The key of the first `prefix_length` bytes.
+pub fn raw_key(body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
+    let region = &body[..body.len().min(prefix_length)];
+    let mut hasher = BlockHasher::new(seed);
+    hasher.feed(region);
+    let (hash, blocks) = hasher.finish();
+    PromptKey { hash, blocks, len: region.len() as u32, source: KeySource::Raw }
+}
+
+/// The chained 64-byte block hash over a byte stream fed piece by piece; no allocation.
+#[derive(Clone)]
+pub struct BlockHasher {
+    buf: [u8; BLOCK_BYTES],
+    filled: usize,
+    chain: u64,
+    blocks: u32,
+}
+
+impl BlockHasher {
+    pub fn new(seed: u64) -> Self {
+        BlockHasher { buf: [0; BLOCK_BYTES], filled: 0, chain: seed, blocks: 0 }
+    }
+
+    pub fn feed(&mut self, mut data: &[u8]) {
+        if self.filled > 0 {
+            let take = (BLOCK_BYTES - self.filled).min(data.len());
+            self.buf[self.filled..self.filled + take].copy_from_slice(&data[..take]);
+            self.filled += take;
+            data = &data[take..];
+            if self.filled < BLOCK_BYTES {
+                return;
+            }
+            self.chain = xxh3_64_with_seed(&self.buf, self.chain);
+            self.blocks += 1;
+            self.filled = 0;
+        }
+        let mut blocks = data.chunks_exact(BLOCK_BYTES);
+        for block in &mut blocks {
+            self.chain = xxh3_64_with_seed(block, self.chain);
+            self.blocks += 1;
+        }
+        let rest = blocks.remainder();
+        self.buf[..rest.len()].copy_from_slice(rest);
+        self.filled = rest.len();
+    }
+
+    /// (key hash, number of blocks including a trailing partial one).
+    pub fn finish(&self) -> (u64, u32) {
+        if self.filled > 0 {
+            (xxh3_64_with_seed(&self.buf[..self.filled], self.chain), self.blocks + 1)
+        } else {
+            (self.chain, self.blocks)
+        }
+    }
+}
+
+/// Canonical text fed in pieces, cut at a character budget.
+struct TextKey {
+    hasher: BlockHasher,
+    remaining: usize,
+    chars: usize,
+    full: bool,
+    bad: bool,
+}
+
+impl TextKey {
+    fn new(limit: usize, seed: u64) -> Self {
+        TextKey { hasher: BlockHasher::new(seed), remaining: limit, chars: 0, full: limit == 0, bad: false }
+    }
+
+    /// Feeds whole characters (`piece` is a run of complete UTF-8 sequences, or ends where the
+    /// budget cuts it).
+    fn push(&mut self, piece: &[u8]) {
+        if self.full || piece.is_empty() {
+            return;
+        }
+        let (take, chars) = if piece.len() <= self.remaining {
+            (piece.len(), count_chars(piece))
+        } else {
+            cut_chars(piece, self.remaining)
+        };
+        let taken = &piece[..take];
+        if std::str::from_utf8(taken).is_err() {
+            self.bad = true;
+            self.full = true;
+            return;
+        }
+        self.hasher.feed(taken);
+        self.remaining -= chars;
+        self.chars += chars;
+        if self.remaining == 0 {
+            self.full = true;
+        }
+    }
+
+    fn finish(&self, source: KeySource) -> Option<PromptKey> {
+        if self.bad {
+            return None;
+        }
+        let (hash, blocks) = self.hasher.finish();
+        Some(PromptKey { hash, blocks, len: self.chars as u32, source })
+    }
+}
+
+/// Characters in UTF-8 bytes: the bytes that are not continuation bytes (`0b10xx_xxxx`), counted
+/// eight at a time.
+fn count_chars(bytes: &[u8]) -> usize {
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut continuation = 0usize;
+    let mut words = bytes.chunks_exact(8);
+    let mut lanes = 0u64; // one counter per byte lane, flushed before it can overflow
+    let mut pending = 0;
+    for word in &mut words {
+        let x = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+        lanes += (x & !(x << 1) & HIGH) >> 7;
+        pending += 1;
+        if pending == 255 {
+            continuation += sum_lanes(lanes);
+            lanes = 0;
+            pending = 0;
+        }
+    }
+    continuation += sum_lanes(lanes);
+    continuation += words.remainder().iter().filter(|&&b| (b & 0xC0) == 0x80).count();
+    bytes.len() - continuation
+}
+
+/// Sum of the eight byte lanes of `x`.
+fn sum_lanes(x: u64) -> usize {
+    const LOW_BYTES: u64 = 0x00FF_00FF_00FF_00FF;
+    let pairs = (x & LOW_BYTES) + ((x >> 8) & LOW_BYTES); // four 16-bit lanes, each <= 510
+    (pairs.wrapping_mul(0x0001_0001_0001_0001) >> 48) as usize
+}
+
+/// Byte length and character count of the first `limit` characters of `bytes`.
+fn cut_chars(bytes: &[u8], limit: usize) -> (usize, usize) {
+    let mut chars = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if (b & 0xC0) != 0x80 {
+            if chars == limit {
+                return (i, chars);
+            }
+            chars += 1;
+        }
+    }
+    (bytes.len(), chars)
+}
+
+/// A JSON string's position in the body: the bytes between its quotes.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    start: usize,
+    end: usize,
+}
+
+/// A tolerant forward scanner over JSON bytes. Every method returns `None` on malformed input.
+struct Scan<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Scan<'a> {
+    fn new(b: &'a [u8]) -> Self {
+        Scan { b, pos: 0 }
+    }
+
+    fn ws(&mut self) {
+        while let Some(&c) = self.b.get(self.pos) {
+            if matches!(c, b' ' | b'\n' | b'\r' | b'\t') {
+                self.pos += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.pos).copied()
+    }
+
+    fn eat(&mut self, c: u8) -> bool {
+        self.ws();
+        if self.peek() == Some(c) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A string at the cursor (after whitespace); the cursor moves past its closing quote.
+    fn string(&mut self) -> Option<Span> {
+        self.ws();
+        if self.peek() != Some(b'"') {
+            return None;
+        }
+        let start = self.pos + 1;
+        let end = string_end(self.b, start)?;
+        self.pos = end + 1;
+        Some(Span { start, end })
+    }
+
+    /// Skips one value of any kind, without validating nested structure beyond bracket balance.
+    fn skip_value(&mut self) -> Option<()> {
+        self.ws();
+        match self.peek()? {
+            b'"' => self.string().map(|_| ()),
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                loop {
+                    match *self.b.get(self.pos)? {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                self.pos += 1;
+                                return Some(());
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.pos += 1;
+                }
+            }
+            b'}' | b']' | b',' | b':' => None,
+            _ => {
+                let start = self.pos;
+                while let Some(&c) = self.b.get(self.pos) {
+                    if matches!(c, b',' | b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t') {
+                        break;
+                    }
+                    self.pos += 1;
+                }
+                (self.pos > start).then_some(())
+            }
+        }
+    }
+
+    /// After a value inside an object or array: `Some(true)` for a comma (more follows),
+    /// `Some(false)` for the closing bracket.
+    fn next_or_close(&mut self, close: u8) -> Option<bool> {
+        if self.eat(b',') {
+            Some(true)
+        } else if self.eat(close) {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// An object key and its colon.
+    fn key(&mut self) -> Option<Span> {
+        let k = self.string()?;
+        self.eat(b':').then_some(k)
+    }
+
+    fn is(&self, span: Span, lit: &str) -> bool {
+        let raw = &self.b[span.start..span.end];
+        if raw == lit.as_bytes() {
+            return true;
+        }
+        // Only an escaped spelling of the literal can still match.
+        raw.contains(&b'\\') && decode(self.b, span).is_some_and(|s| s == lit)
+    }
+}
+
+/// Decodes a string span (allocates only when it holds escapes).
+fn decode(b: &[u8], span: Span) -> Option<Cow<'_, str>> {
+    let raw = &b[span.start..span.end];
+    if memchr::memchr(b'\\', raw).is_none() {
+        return std::str::from_utf8(raw).ok().map(Cow::Borrowed);
+    }
+    let mut out = String::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match memchr::memchr(b'\\', &raw[i..]) {
+            Some(off) => {
+                out.push_str(std::str::from_utf8(&raw[i..i + off]).ok()?);
+                let (c, next) = unescape(raw, i + off)?;
+                out.push(c);
+                i = next;
+            }
+            None => {
+                out.push_str(std::str::from_utf8(&raw[i..]).ok()?);
+                break;
+            }
+        }
+    }
+    Some(Cow::Owned(out))
+}
+
+/// The escape starting at `raw[at] == b'\\'`: the character and the index after it.
+fn unescape(raw: &[u8], at: usize) -> Option<(char, usize)> {
+    let c = match *raw.get(at + 1)? {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        b'u' => {
+            let hi = hex4(raw.get(at + 2..at + 6)?)?;
+            if (0xD800..0xDC00).contains(&hi) {
+                if raw.get(at + 6..at + 8)? != b"\\u" {
+                    return None;
+                }
+                let lo = hex4(raw.get(at + 8..at + 12)?)?;
+                if !(0xDC00..0xE000).contains(&lo) {
+                    return None;
+                }
+                let c = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+                return Some((char::from_u32(c)?, at + 12));
+            }
+            return Some((char::from_u32(hi)?, at + 6));
+        }
+        _ => return None,
+    };
+    Some((c, at + 2))
+}
+
+fn hex4(h: &[u8]) -> Option<u32> {
+    let mut v = 0u32;
+    for &c in h {
+        v = v * 16 + (c as char).to_digit(16)?;
+    }
+    Some(v)
+}
+
+/// Feeds the decoded text of a known span.
+fn emit_span(b: &[u8], span: Span, key: &mut TextKey) -> Option<()> {
+    let mut specials = Specials::new(b);
+    let mut out = Decoded::new();
+    let mut i = span.start;
+    while i < span.end && !key.full {
+        match specials.find(i, span.end) {
+            Some(j) => {
+                out.run(&b[i..j], key);
+                let (c, next) = unescape(b, j)?;
+                out.char(c, key);
+                i = next;
+            }
+            None => {
+                out.run(&b[i..span.end], key);
+                break;
+            }
+        }
+    }
+    out.flush(key);
+    Some(())
+}
+
+/// Decoded text gathered on the stack so the key sees few large pieces instead of one piece per
+/// escape sequence.
+struct Decoded {
+    buf: [u8; Decoded::CAP],
+    len: usize,
+}
+
+impl Decoded {
+    const CAP: usize = 512;
+
+    fn new() -> Self {
+        Decoded { buf: [0; Decoded::CAP], len: 0 }
+    }
+
+    /// A run of raw bytes (whole characters, or the tail of the key region).
+    fn run(&mut self, bytes: &[u8], key: &mut TextKey) {
+        if self.len + bytes.len() > Self::CAP {
+            self.flush(key);
+            if bytes.len() > Self::CAP / 2 {
+                key.push(bytes);
+                return;
+            }
+        }
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    fn char(&mut self, c: char, key: &mut TextKey) {
+        if self.len + 4 > Self::CAP {
+            self.flush(key);
+        }
+        self.len += c.encode_utf8(&mut self.buf[self.len..]).len();
+    }
+
+    fn flush(&mut self, key: &mut TextKey) {
+        if self.len > 0 {
+            key.push(&self.buf[..self.len]);
+            self.len = 0;
+        }
+    }
+}
+
+/// Feeds the decoded text of the string at the cursor while scanning it. Stops early (cursor left
+/// inside the string) once the key is full, so a long system prompt is not scanned past the key.
+fn stream_string(s: &mut Scan<'_>, key: &mut TextKey) -> Option<()> {
+    s.ws();
+    if s.peek() != Some(b'"') {
+        return None;
+    }
+    let b = s.b;
+    let mut i = s.pos + 1;
+    let mut specials = Specials::new(b);
+    let mut out = Decoded::new();
+    loop {
+        if key.full {
+            return Some(());
+        }
+        // Every character is at most 4 bytes, so this window holds the rest of the key (the
+        // budget is not yet charged for `out`, so it may be larger than needed).
+        let window = key.remaining.saturating_mul(4).saturating_add(4);
+        let wend = b.len().min(i.saturating_add(window));
+        match specials.find(i, wend) {
+            None => {
+                if wend == b.len() {
+                    return None; // unterminated string
+                }
+                out.run(&b[i..wend], key);
+                out.flush(key);
+                i = wend;
+            }
+            Some(j) => {
+                out.run(&b[i..j], key);
+                if b[j] == b'"' {
+                    out.flush(key);
+                    s.pos = j + 1;
+                    return Some(());
+                }
+                let (c, next) = unescape(b, j)?;
+                out.char(c, key);
+                i = next;
+            }
+        }
+    }
+}
+
+/// The key of an OpenAI body, or `None` to fall back to the raw bytes.
+fn json_key(body: &[u8], limit: usize, seed: u64) -> Option<PromptKey> {
+    let mut s = Scan::new(body);
+    if !s.eat(b'{') {
+        return None;
+    }
+    if s.eat(b'}') {
+        return None;
+    }
+    loop {
+        let k = s.key()?;
+        if s.is(k, "messages") {
+            return chat_key(&mut s, limit, seed);
+        }
+        if s.is(k, "prompt") {
+            return completion_key(&mut s, limit, seed);
+        }
+        s.skip_value()?;
+        if !s.next_or_close(b'}')? {
+            return None;
+        }
+    }
+}
+
+fn completion_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
+    let mut key = TextKey::new(limit, seed);
+    s.ws();
+    match s.peek()? {
+        b'"' => stream_string(s, &mut key)?,
+        b'[' => {
+            s.pos += 1;
+            s.ws();
+            if s.peek()? != b'"' {
+                return None; // token ids or nested arrays: raw bytes
+            }
+            stream_string(s, &mut key)?;
+        }
+        _ => return None,
+    }
+    key.finish(KeySource::Completion)
+}
+
+/// Where a message's content was found, for messages whose `content` precedes `role`.
+enum Content {
+    None,
+    Text(Span),
+    Parts(usize),
+}
+
+fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
+    if !s.eat(b'[') {
+        return None;
+    }
+    let mut key = TextKey::new(limit, seed);
+    if s.eat(b']') {
+        return key.finish(KeySource::Chat);
+    }
+    loop {
+        if !s.eat(b'{') {
+            return None;
+        }
+        let mut role: Option<Span> = None;
+        let mut content = Content::None;
+        let mut emitted = false; // role and content already fed (role came first)
+        if !s.eat(b'}') {
+            loop {
+                let k = s.key()?;
+                if s.is(k, "role") {
+                    role = Some(s.string()?);
+                } else if s.is(k, "content") {
+                    s.ws();
+                    match (s.peek()?, role) {
+                        (b'"', Some(r)) => {
+                            emit_span(s.b, r, &mut key)?;
+                            key.push(b"\n");
+                            stream_string(s, &mut key)?;
+                            if key.full {
+                                return key.finish(KeySource::Chat);
+                            }
+                            emitted = true;
+                        }
+                        (b'"', None) => content = Content::Text(s.string()?),
+                        (b'[', Some(r)) => {
+                            emit_span(s.b, r, &mut key)?;
+                            key.push(b"\n");
+                            let mut parts = Scan { b: s.b, pos: s.pos };
+                            emit_parts(&mut parts, &mut key)?;
+                            if key.full {
+                                return key.finish(KeySource::Chat);
+                            }
+                            s.pos = parts.pos;
+                            emitted = true;
+                        }
+                        (b'[', None) => {
+                            content = Content::Parts(s.pos);
+                            s.skip_value()?;
+                        }
+                        (b'n', _) => s.skip_value()?, // null: no text
+                        _ => return None,
+                    }
+                } else {
+                    s.skip_value()?;
+                }
+                if !s.next_or_close(b'}')? {
+                    break;
+                }
+            }
+        }
+        let role = role?;
+        if !emitted {
+            emit_span(s.b, role, &mut key)?;
+            key.push(b"\n");
+            match content {
+                Content::None => {}
+                Content::Text(span) => emit_span(s.b, span, &mut key)?,
+                Content::Parts(at) => emit_parts(&mut Scan { b: s.b, pos: at }, &mut key)?,
+            }
+        }
+        key.push(b"\n");
+        if key.full || s.is(role, "user") {
+            return key.finish(KeySource::Chat);
+        }
+        if !s.next_or_close(b']')? {
+            return key.finish(KeySource::Chat);
+        }
+    }
+}
+
+/// Feeds the `text` of every `{"type":"text"}` part of the array at the cursor.
+fn emit_parts(s: &mut Scan<'_>, key: &mut TextKey) -> Option<()> {
+    if !s.eat(b'[') {
+        return None;
+    }
+    if s.eat(b']') {
+        return Some(());
+    }
+    loop {
+        s.ws();
+        if s.peek()? != b'{' {
+            s.skip_value()?;
+        } else {
+            s.pos += 1;
+            let mut kind: Option<bool> = None; // Some(true) = type is "text"
+            let mut text: Option<Span> = None;
+            if !s.eat(b'}') {
+                loop {
+                    let k = s.key()?;
+                    if s.is(k, "type") {
+                        let t = s.string()?;
+                        kind = Some(s.is(t, "text"));
+                    } else if s.is(k, "text") && kind == Some(true) {
+                        s.ws();
+                        if s.peek()? != b'"' {
+                            return None;
+                        }
+                        stream_string(s, key)?;
+                        if key.full {
+                            return Some(());
+                        }
+                        text = None;
+                        kind = Some(false); // already fed
+                    } else if s.is(k, "text") {
+                        s.ws();
+                        text = if s.peek()? == b'"' { Some(s.string()?) } else { None };
+                        if text.is_none() {
+                            s.skip_value()?;
+                        }
+                    } else {
+                        s.skip_value()?;
+                    }
+                    if !s.next_or_close(b'}')? {
+                        break;
+                    }
+                }
+            }
+            if let (Some(true), Some(span)) = (kind, text) {
+                emit_span(s.b, span, key)?;
+                if key.full {
+                    return Some(());
+                }
+            }
+        }
+        if !s.next_or_close(b']')? {
+            return Some(());
+        }
+    }
+}
+
+/// The top-level `model` field of a JSON body, if it has one and it is a string.
+///
+/// Members are read from the front until the first array or object (the `messages`, typically
+/// most of the body); the members after it are then read from the END of the body, so a `model`
+/// sent after the messages (as the OpenAI Python client does) is found without scanning them.
+pub fn find_model(body: &[u8]) -> Option<Cow<'_, str>> {
+    let mut s = Scan::new(body);
+    if !s.eat(b'{') || s.eat(b'}') {
+        return None;
+    }
+    loop {
+        let k = s.key()?;
+        if s.is(k, "model") {
+            s.ws();
+            if s.peek()? != b'"' {
+                return None;
+            }
+            let v = s.string()?;
+            return decode(body, v);
+        }
+        s.ws();
+        if matches!(s.peek()?, b'[' | b'{') {
+            return find_model_from_the_end(body, s.pos);
+        }
+        s.skip_value()?;
+        if !s.next_or_close(b'}')? {
+            return None;
+        }
+    }
+}
+
+/// Reads top-level members backwards from the end of the body down to `floor` (the start of a
+/// value the forward pass did not skip). Inside a JSON string every `"` is escaped, i.e. preceded
+/// by an odd run of backslashes, so strings are recognised from their end as well as their start.
+fn find_model_from_the_end(b: &[u8], floor: usize) -> Option<Cow<'_, str>> {
+    let mut r = Rev { b, pos: b.len(), floor };
+    if !r.eat(b'}') {
+        return None;
+    }
+    loop {
+        r.ws();
+        let value_end = r.pos;
+        let value_start = r.skip_value()?;
+        if value_start <= floor {
+            return None; // back at the value the forward pass stopped at: no `model` after it
+        }
+        if !r.eat(b':') {
+            return None;
+        }
+        r.ws();
+        if r.pos <= floor || b[r.pos - 1] != b'"' {
+            return None;
+        }
+        let key_end = r.pos - 1;
+        let key_start = r.string_start()?;
+        let key = Span { start: key_start + 1, end: key_end };
+        if (Scan { b, pos: 0 }).is(key, "model") {
+            if b[value_start] != b'"' {
+                return None;
+            }
+            return decode(b, Span { start: value_start + 1, end: value_end - 1 });
+        }
+        if !r.eat(b',') {
+            return None;
+        }
+    }
+}
+
+/// A backward scanner: `pos` is the exclusive end of what is left to read.
+struct Rev<'a> {
+    b: &'a [u8],
+    pos: usize,
+    floor: usize,
+}
+
+impl Rev<'_> {
+    fn ws(&mut self) {
+        while self.pos > self.floor && matches!(self.b[self.pos - 1], b' ' | b'\n' | b'\r' | b'\t') {
+            self.pos -= 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> bool {
+        self.ws();
+        if self.pos > self.floor && self.b[self.pos - 1] == c {
+            self.pos -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// With `b[pos - 1]` the closing quote of a string: moves `pos` to its opening quote and
+    /// returns that index.
+    fn string_start(&mut self) -> Option<usize> {
+        let mut end = self.pos - 1; // the closing quote
+        loop {
+            let q = self.floor + memchr::memrchr(b'"', &self.b[self.floor..end])?;
+            let mut k = q;
+            while k > self.floor && self.b[k - 1] == b'\\' {
+                k -= 1;
+            }
+            if (q - k) & 1 == 0 {
+                self.pos = q;
+                return Some(q);
+            }
+            end = q;
+        }
+    }
+
+    /// Skips the value ending at `pos`; returns its start.
+    fn skip_value(&mut self) -> Option<usize> {
+        self.ws();
+        if self.pos <= self.floor {
+            return None;
+        }
+        let last = self.b[self.pos - 1];
+        match last {
+            b'"' => self.string_start(),
+            b'}' | b']' => {
+                let mut depth = 0usize;
+                while self.pos > self.floor {
+                    let c = self.b[self.pos - 1];
+                    match c {
+                        b'"' => {
+                            self.string_start()?;
+                            continue;
+                        }
+                        b'}' | b']' => depth += 1,
+                        b'{' | b'[' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                self.pos -= 1;
+                                return Some(self.pos);
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.pos -= 1;
+                }
+                None
+            }
+            b',' | b':' | b'{' | b'[' => None,
+            _ => {
+                let end = self.pos;
+                while self.pos > self.floor
+                    && !matches!(self.b[self.pos - 1], b',' | b':' | b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t')
+                {
+                    self.pos -= 1;
+                }
+                (self.pos < end).then_some(self.pos)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text_hash(text: &str, seed: u64) -> u64 {
+        let mut h = BlockHasher::new(seed);
+        h.feed(text.as_bytes());
+        h.finish().0
+    }
+
+    fn chat(body: &str, limit: usize) -> PromptKey {
+        prompt_key(BodyKind::OpenAi, body.as_bytes(), limit, DEFAULT_SEED)
+    }
+
+    #[test]
+    fn block_hasher_is_chained_per_64_bytes_whatever_the_feeding() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut whole = BlockHasher::new(1);
+        whole.feed(&data);
+        let mut pieces = BlockHasher::new(1);
+        for chunk in data.chunks(13) {
+            pieces.feed(chunk);
+        }
+        assert_eq!(whole.finish(), pieces.finish());
+        // by definition
+        let mut h = 1u64;
+        for block in data.chunks(64) {
+            h = xxh3_64_with_seed(block, h);
+        }
+        assert_eq!(whole.finish(), (h, 16));
+        assert_eq!(BlockHasher::new(9).finish(), (9, 0));
+    }
+
+    #[test]
+    fn chat_key_is_canonical_text_up_to_first_user_message() {
+        let body = r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi there"},{"role":"assistant","content":"Hello"}]}"#;
+        let k = chat(body, 4096);
+        assert_eq!(k.source, KeySource::Chat);
+        assert_eq!(k.hash, text_hash("system\nBe brief.\nuser\nHi there\n", DEFAULT_SEED));
+        // content before role, array parts, escapes: same canonical text
+        let body2 = r#"{"messages":[{"content":[{"text":"Be ","type":"text"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"brief."}],"role":"system"},{"role":"user","name":"u","content":"Hi\u0020there"}],"model":"m"}"#;
+        assert_eq!(chat(body2, 4096).hash, k.hash);
+    }
+
+    #[test]
+    fn count_chars_counts_scalar_values() {
+        for text in ["", "a", "héllo wörld", &"é€😀a".repeat(700), &"x".repeat(5000)] {
+            assert_eq!(count_chars(text.as_bytes()), text.chars().count(), "{text}");
+        }
+    }
+
+    #[test]
+    fn prefix_length_counts_characters_not_bytes() {
+        let body = r#"{"messages":[{"role":"system","content":"héllo wörld"}]}"#;
+        let k = chat(body, 10);
+        assert_eq!(k.len, 10);
+        assert_eq!(k.hash, text_hash("system\nhél", DEFAULT_SEED));
+        // cut inside an escaped run
+        let body = r#"{"messages":[{"role":"user","content":"a\nb\u00e9cd"}]}"#;
+        assert_eq!(chat(body, 9).hash, text_hash("user\na\nbé", DEFAULT_SEED));
+    }
+
+    #[test]
+    fn conversation_turns_share_the_key() {
+        let sys = "You are a helpful assistant. ".repeat(40);
+        let turn1 = format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"Tell me about Rust"}}]}}"#
+        );
+        let turn2 = format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"Tell me about Rust"}},{{"role":"assistant","content":"It is a language."}},{{"role":"user","content":"More please"}}]}}"#
+        );
+        let other_user = format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"Tell me about Go"}}]}}"#
+        );
+        assert_eq!(chat(&turn1, 4096), chat(&turn2, 4096));
+        assert_ne!(chat(&turn1, 4096).hash, chat(&other_user, 4096).hash);
+        // a short prefix_length makes them collide (only the system prompt)
+        assert_eq!(chat(&turn1, 512).hash, chat(&other_user, 512).hash);
+    }
+
+    #[test]
+    fn completions_and_raw_bodies() {
+        let k = chat(r#"{"prompt":"Once upon a time","max_tokens":5}"#, 4);
+        assert_eq!((k.source, k.hash), (KeySource::Completion, text_hash("Once", DEFAULT_SEED)));
+        let k = chat(r#"{"prompt":["Once upon","x"]}"#, 100);
+        assert_eq!(k.hash, text_hash("Once upon", DEFAULT_SEED));
+        // token ids: raw bytes
+        let body = r#"{"prompt":[1,2,3]}"#;
+        assert_eq!(chat(body, 100).source, KeySource::Raw);
+        let k = prompt_key(BodyKind::Raw, b"abcdef", 3, 5);
+        assert_eq!((k.hash, k.len), (text_hash("abc", 5), 3));
+    }
+
+    #[test]
+    fn malformed_json_falls_back_to_raw_bytes() {
+        for body in [
+            "",
+            "not json",
+            "{",
+            "{}",
+            "[1,2]",
+            r#"{"messages":"x"}"#,
+            r#"{"messages":[{"role":"user","content":"unterminated}]}"#,
+            r#"{"messages":[{"content":"no role"}]}"#,
+            r#"{"messages":[{"role":"user","content":"bad \q escape"}]}"#,
+            r#"{"messages":[{"role":"user","content":"lone \ud800 surrogate"}]}"#,
+        ] {
+            let k = chat(body, 100);
+            assert_eq!(k.source, KeySource::Raw, "{body}");
+            assert_eq!(k, raw_key(body.as_bytes(), 100, DEFAULT_SEED));
+        }
+        let invalid_utf8 = b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}";
+        assert_eq!(prompt_key(BodyKind::OpenAi, invalid_utf8, 100, 1).source, KeySource::Raw);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic() {
+        for base in [
+            &br#"{"model":"m","messages":[{"role":"system","content":[{"type":"text","text":"a\u00e9\"b"}]},{"role":"user","content":"q"}],"prompt":["x"]}"#[..],
+            &br#"{"messages":[{"content":"x\\\"y","role":"user"}],"tools":[{"a":[1,{"b":"\""}]}],"model":"m","n":1}"#[..],
+        ] {
+            fuzz(base);
+        }
+    }
+
+    fn fuzz(base: &[u8]) {
+        for cut in 0..base.len() {
+            let _ = prompt_key(BodyKind::OpenAi, &base[..cut], 7, 1);
+            let _ = find_model(&base[..cut]);
+            for limit in [0, 1, 3, 64] {
+                let _ = prompt_key(BodyKind::OpenAi, &base[..cut], limit, 1);
+            }
+        }
+        let mut x = 0x12345u64;
+        for _ in 0..20_000 {
+            let mut b = base.to_vec();
+            for _ in 0..4 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let i = (x as usize) % b.len();
+                b[i] = (x >> 32) as u8;
+            }
+            let _ = prompt_key(BodyKind::OpenAi, &b, 50, 1);
+            let _ = find_model(&b);
+            let _ = find_model(&b[(x as usize >> 40) % b.len()..]);
+        }
+    }
+
+    #[test]
+    fn model_field_anywhere_at_top_level() {
+        assert_eq!(find_model(br#"{"model":"e1","messages":[]}"#).as_deref(), Some("e1"));
+        assert_eq!(
+            find_model(br#"{"messages":[{"role":"user","content":"{\"model\":\"no\"}"}],"tools":[{"model":"no"}],"model":"e\u0032"}"#)
+                .as_deref(),
+            Some("e2")
+        );
+        assert_eq!(find_model(br#"{"messages":[]}"#), None);
+        // after the messages: read from the end, past nested and escaped values
+        assert_eq!(
+            find_model(br#"{"messages":[{"role":"user","content":"say \"model\": \"x\""}], "model" : "e\"3",
+                "tools":[{"type":"function","function":{"name":"f","model":"no"}}],"stop":["\\","\""],"n":1,"stream":true} "#)
+                .as_deref(),
+            Some("e\"3")
+        );
+        assert_eq!(find_model(br#"{"messages":[{"role":"user","content":"\"model\":\"no\""}],"n":1}"#), None);
+        assert_eq!(find_model(br#"{"messages":[{"role":"user","content":"x"}],"model":"e"#), None);
+        assert_eq!(find_model(br#"{"messages":[{"role":"user","content":"x"}],"model":7}"#), None);
+        assert_eq!(find_model(br#"{"model":5}"#), None);
+    }
+
+    #[test]
+    fn prefix_aware_id_changes_the_seed() {
+        assert_eq!(seed_for(None), DEFAULT_SEED);
+        assert_eq!(seed_for(Some(b"")), DEFAULT_SEED);
+        assert_ne!(seed_for(Some(b"a")), seed_for(Some(b"b")));
+        let body = br#"{"messages":[{"role":"user","content":"hi"}]}"#;
+        let a = prompt_key(BodyKind::OpenAi, body, 100, seed_for(Some(b"a")));
+        let b = prompt_key(BodyKind::OpenAi, body, 100, seed_for(Some(b"b")));
+        assert_ne!(a.hash, b.hash);
+    }
+
+    #[test]
+    fn key_stops_at_first_user_message_even_without_reading_the_rest() {
+        // The tail after the first user message is garbage: the key is still the chat key.
+        let body = r#"{"messages":[{"role":"user","content":"hello"}, garbage"#;
+        let k = chat(body, 100);
+        assert_eq!((k.source, k.hash), (KeySource::Chat, text_hash("user\nhello\n", DEFAULT_SEED)));
+    }
+}

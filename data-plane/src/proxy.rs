@@ -1,0 +1,495 @@
+//! The HTTP side: request handling, forwarding with one retry, streamed responses, JSON errors.
+
+use std::convert::Infallible;
+use std::future::Future as _;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
+use http::{Method, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::time::{Instant, Sleep};
+
+use crate::config::Config;
+use crate::load::{now_ms, InFlight};
+use crate::metrics::Metrics;
+use crate::placement::{Placement, Route, RouteRequest};
+use crate::prompt::BodyKind;
+use crate::table::RoutingTable;
+
+pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
+pub const X_TARGET_VARIANT: HeaderName = HeaderName::from_static("x-target-variant");
+pub const X_PREFIX_AWARE_ID: HeaderName = HeaderName::from_static("x-prefix-aware-id");
+pub const X_INSTANCE: HeaderName = HeaderName::from_static("x-prefix-router-instance");
+pub const X_VARIANT: HeaderName = HeaderName::from_static("x-prefix-router-variant");
+pub const X_TABLE_VERSION: HeaderName = HeaderName::from_static("x-prefix-router-table-version");
+pub const X_DECISION: HeaderName = HeaderName::from_static("x-prefix-router-decision");
+
+/// Connect timeout towards instances (a black-holed instance fails over within it).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Shared router state: the current table, placement policy, upstream connection pool, metrics.
+pub(crate) struct Router {
+    pub(crate) table: ArcSwapOption<RoutingTable>,
+    pub(crate) placement: Placement,
+    pub(crate) metrics: Metrics,
+    client: UpstreamClient,
+    max_body_bytes: usize,
+    request_timeout: Duration,
+}
+
+impl Router {
+    pub(crate) fn new(config: &Config) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Router {
+            table: ArcSwapOption::empty(),
+            placement: Placement::new(
+                config.prefix_index_capacity,
+                config.hash_balance_factor,
+                config.default_endpoint.clone(),
+            ),
+            metrics: Metrics::default(),
+            client,
+            max_body_bytes: config.max_body_bytes,
+            request_timeout: config.request_timeout(),
+        }
+    }
+
+    pub(crate) async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<ResponseBody>, Infallible> {
+        let path = req.uri().path();
+        let response = match path {
+            "/v1/chat/completions" | "/v1/completions" => {
+                if req.method() != Method::POST {
+                    return Ok(self.unrouted(None, 405, "use POST", "method_not_allowed"));
+                }
+                let upstream = req.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+                self.proxy(req, BodyKind::OpenAi, None, upstream).await
+            }
+            "/healthz" => json_response(200, r#"{"status":"ok"}"#),
+            "/readyz" => match self.table.load().as_ref() {
+                Some(t) => json_response(200, format!(r#"{{"status":"ready","table_version":{}}}"#, t.version())),
+                None => self.unrouted(None, 503, "no routing table applied yet", "service_unavailable"),
+            },
+            "/metrics" => {
+                let table = self.table.load();
+                let text = self.metrics.render(table.as_deref(), self.placement.index().len());
+                let mut r = Response::new(ResponseBody::full(text));
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+                r
+            }
+            _ => match invocation_endpoint(path) {
+                Some(Ok(name)) if req.method() == Method::POST => {
+                    self.proxy(req, BodyKind::Raw, Some(name), PathAndQuery::from_static("/invocations")).await
+                }
+                Some(Ok(_)) => self.unrouted(None, 405, "use POST", "method_not_allowed"),
+                Some(Err(msg)) => self.unrouted(None, 400, &msg, "invalid_request_error"),
+                None => self.unrouted(None, 404, &format!("no route for {path:?}"), "not_found_error"),
+            },
+        };
+        Ok(response)
+    }
+
+    async fn proxy(
+        &self,
+        req: Request<Incoming>,
+        kind: BodyKind,
+        path_endpoint: Option<String>,
+        upstream_path: PathAndQuery,
+    ) -> Response<ResponseBody> {
+        let deadline = Instant::now() + self.request_timeout;
+        let Some(table) = self.table.load_full() else {
+            return self.unrouted(None, 503, "no routing table applied yet", "service_unavailable");
+        };
+        let (parts, body) = req.into_parts();
+        let header = |name: &HeaderName| -> Result<Option<&str>, String> {
+            match parts.headers.get(name) {
+                None => Ok(None),
+                Some(v) => v.to_str().map(Some).map_err(|_| format!("header {name} is not valid UTF-8 text")),
+            }
+        };
+        let (endpoint_header, target_variant) = match (header(&X_ENDPOINT_NAME), header(&X_TARGET_VARIANT)) {
+            (Ok(e), Ok(v)) => (e, v),
+            (Err(msg), _) | (_, Err(msg)) => {
+                return self.unrouted(Some(&table), 400, &msg, "invalid_request_error");
+            }
+        };
+        let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|len| len > self.max_body_bytes as u64) {
+            return self.too_large(&table);
+        }
+        let body = match tokio::time::timeout_at(deadline, Limited::new(body, self.max_body_bytes).collect()).await {
+            Err(_) => return self.unrouted(Some(&table), 504, "timed out reading the request body", "timeout_error"),
+            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return self.too_large(&table),
+            Ok(Err(e)) => {
+                let msg = format!("could not read the request body: {e}");
+                return self.unrouted(Some(&table), 400, &msg, "invalid_request_error");
+            }
+            Ok(Ok(collected)) => collected.to_bytes(),
+        };
+
+        let started = std::time::Instant::now();
+        let request = RouteRequest {
+            kind,
+            body: &body,
+            endpoint: path_endpoint.as_deref().or(endpoint_header),
+            target_variant,
+            prefix_aware_id: parts.headers.get(X_PREFIX_AWARE_ID).map(|v| v.as_bytes()),
+        };
+        let route = match self.placement.route(&table, &request) {
+            Ok(route) => route,
+            Err(e) => {
+                let kind = if e.status() == 404 { "not_found_error" } else { "service_unavailable" };
+                return self.unrouted(Some(&table), e.status(), &e.to_string(), kind);
+            }
+        };
+        let in_flight = InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
+        self.metrics.decision.observe(started.elapsed());
+        self.forward(&table, route, &parts, body, in_flight, &upstream_path, deadline).await
+    }
+
+    /// Sends the request; on a connect error or a 5xx before any response byte, once more to the
+    /// next instance.
+    #[allow(clippy::too_many_arguments)]
+    async fn forward(
+        &self,
+        table: &RoutingTable,
+        route: Route<'_>,
+        parts: &http::request::Parts,
+        body: Bytes,
+        mut in_flight: InFlight,
+        upstream_path: &PathAndQuery,
+        deadline: Instant,
+    ) -> Response<ResponseBody> {
+        let variant = route.variant;
+        let mut current = route.instance;
+        let mut retried = false;
+        loop {
+            let instance = &variant.instances()[current];
+            let request = match upstream_request(parts, instance.uri(upstream_path), &body) {
+                Ok(r) => r,
+                Err(e) => {
+                    let msg = format!("cannot build the upstream request for {}: {e}", instance.address());
+                    return self.routed_error(table, &route, current, 502, &msg, "upstream_error");
+                }
+            };
+            let failure = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
+                Err(_) => {
+                    let msg = format!("no response from {} within the request timeout", instance.address());
+                    return self.routed_error(table, &route, current, 504, &msg, "timeout_error");
+                }
+                Ok(Ok(response)) if !response.status().is_server_error() => {
+                    instance.state().record_success();
+                    return self.respond(table, &route, current, response, in_flight, deadline);
+                }
+                Ok(Ok(response)) => Err(response),
+                Ok(Err(e)) => Ok(e),
+            };
+            if let Some(length) = instance.state().record_failure(now_ms()) {
+                self.metrics.ejections.fetch_add(1, Relaxed);
+                tracing::warn!(instance = instance.address(), ?length, "instance ejected after repeated failures");
+            }
+            if !retried {
+                if let Some((next, _)) = self.placement.choose(variant, route.key, Some(current), now_ms()) {
+                    retried = true;
+                    self.metrics.retries.fetch_add(1, Relaxed);
+                    in_flight = InFlight::start(variant.instances()[next].state(), variant.load());
+                    current = next;
+                    continue;
+                }
+            }
+            return match failure {
+                Err(response) => self.respond(table, &route, current, response, in_flight, deadline),
+                Ok(e) => {
+                    let msg = format!("upstream {} failed: {}", instance.address(), error_chain(&e));
+                    self.routed_error(table, &route, current, 502, &msg, "upstream_error")
+                }
+            };
+        }
+    }
+
+    fn respond(
+        &self,
+        table: &RoutingTable,
+        route: &Route<'_>,
+        current: usize,
+        response: Response<Incoming>,
+        in_flight: InFlight,
+        deadline: Instant,
+    ) -> Response<ResponseBody> {
+        let (mut parts, body) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let instance = &route.variant.instances()[current];
+        instance.stats().record(route.decision, parts.status.as_u16());
+        set_route_headers(&mut parts.headers, table, route, current);
+        Response::from_parts(parts, ResponseBody::upstream(body, in_flight, deadline))
+    }
+
+    fn routed_error(
+        &self,
+        table: &RoutingTable,
+        route: &Route<'_>,
+        current: usize,
+        status: u16,
+        message: &str,
+        kind: &str,
+    ) -> Response<ResponseBody> {
+        route.variant.instances()[current].stats().record(route.decision, status);
+        let mut r = error_response(status, message, kind);
+        set_route_headers(r.headers_mut(), table, route, current);
+        r
+    }
+
+    fn too_large(&self, table: &RoutingTable) -> Response<ResponseBody> {
+        let msg = format!("request body is larger than the limit of {} bytes", self.max_body_bytes);
+        self.unrouted(Some(table), 413, &msg, "request_too_large")
+    }
+
+    /// An error answered before any instance was chosen.
+    fn unrouted(&self, table: Option<&RoutingTable>, status: u16, message: &str, kind: &str) -> Response<ResponseBody> {
+        self.metrics.record_unrouted(status);
+        let mut r = error_response(status, message, kind);
+        let version = match table {
+            Some(t) => t.version_header().clone(),
+            None => match self.table.load().as_ref() {
+                Some(t) => t.version_header().clone(),
+                None => HeaderValue::from_static("0"),
+            },
+        };
+        r.headers_mut().insert(X_TABLE_VERSION, version);
+        r
+    }
+}
+
+fn set_route_headers(headers: &mut HeaderMap, table: &RoutingTable, route: &Route<'_>, current: usize) {
+    headers.insert(X_INSTANCE, route.variant.instances()[current].header().clone());
+    headers.insert(X_VARIANT, route.variant.header().clone());
+    headers.insert(X_TABLE_VERSION, table.version_header().clone());
+    headers.insert(X_DECISION, route.decision.header());
+}
+
+/// `/endpoints/{name}/invocations` -> the percent-decoded name (`Err` for a name that is not UTF-8).
+fn invocation_endpoint(path: &str) -> Option<Result<String, String>> {
+    let raw = path.strip_prefix("/endpoints/")?.strip_suffix("/invocations")?;
+    if raw.is_empty() || raw.contains('/') {
+        return None;
+    }
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+            match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                Some(b) => out.push(b),
+                None => return Some(Err(format!("bad percent-encoding in endpoint name {raw:?}"))),
+            }
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Some(String::from_utf8(out).map_err(|_| format!("endpoint name {raw:?} is not valid UTF-8")))
+}
+
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+fn upstream_request(
+    parts: &http::request::Parts,
+    uri: Result<http::Uri, http::Error>,
+    body: &Bytes,
+) -> Result<Request<Full<Bytes>>, http::Error> {
+    let mut req = Request::new(Full::new(body.clone()));
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = uri?;
+    let headers = req.headers_mut();
+    headers.reserve(parts.headers.len());
+    for (name, value) in &parts.headers {
+        if HOP_BY_HOP.contains(name)
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || name == header::EXPECT
+            || name == header::PROXY_AUTHORIZATION
+        {
+            continue;
+        }
+        headers.append(name.clone(), value.clone());
+    }
+    Ok(req)
+}
+
+/// An error and its sources, `: `-separated.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
+
+fn json_response(status: u16, body: impl Into<Bytes>) -> Response<ResponseBody> {
+    let mut r = Response::new(ResponseBody::full(body));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// `{"error":{"message":...,"type":...}}`
+pub(crate) fn error_response(status: u16, message: &str, kind: &str) -> Response<ResponseBody> {
+    let body = serde_json::json!({ "error": { "message": message, "type": kind } });
+    json_response(status, serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// Why a streamed response body stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("request timeout reached while streaming the response")]
+    Timeout,
+    #[error("upstream response body failed: {0}")]
+    Upstream(#[from] hyper::Error),
+}
+
+/// The router's response body: a small full body, or an upstream body streamed frame by frame,
+/// holding the instance's in-flight count until it ends or is dropped (client gone).
+pub struct ResponseBody {
+    kind: Inner,
+}
+
+enum Inner {
+    Full(Option<Bytes>),
+    Upstream { body: Incoming, in_flight: Option<InFlight>, deadline: Pin<Box<Sleep>> },
+}
+
+impl ResponseBody {
+    pub fn full(bytes: impl Into<Bytes>) -> Self {
+        ResponseBody { kind: Inner::Full(Some(bytes.into())) }
+    }
+
+    fn upstream(body: Incoming, in_flight: InFlight, deadline: Instant) -> Self {
+        ResponseBody {
+            kind: Inner::Upstream {
+                body,
+                in_flight: Some(in_flight),
+                deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            },
+        }
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match &mut self.get_mut().kind {
+            Inner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            Inner::Upstream { body, in_flight, deadline } => {
+                if in_flight.is_none() {
+                    return Poll::Ready(None);
+                }
+                if deadline.is_elapsed() {
+                    in_flight.take();
+                    return Poll::Ready(Some(Err(BodyError::Timeout)));
+                }
+                match Pin::new(body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Err(e))) => {
+                        in_flight.take();
+                        Poll::Ready(Some(Err(e.into())))
+                    }
+                    Poll::Ready(None) => {
+                        in_flight.take();
+                        Poll::Ready(None)
+                    }
+                    Poll::Pending => {
+                        if deadline.as_mut().poll(cx).is_ready() {
+                            in_flight.take();
+                            return Poll::Ready(Some(Err(BodyError::Timeout)));
+                        }
+                        Poll::Pending
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Inner::Full(b) => b.is_none(),
+            Inner::Upstream { body, in_flight, .. } => in_flight.is_none() || body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Inner::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            Inner::Full(None) => SizeHint::with_exact(0),
+            Inner::Upstream { body, .. } => body.size_hint(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invocation_paths() {
+        assert_eq!(invocation_endpoint("/endpoints/e1/invocations"), Some(Ok("e1".into())));
+        assert_eq!(invocation_endpoint("/endpoints/my%20ep/invocations"), Some(Ok("my ep".into())));
+        assert!(matches!(invocation_endpoint("/endpoints/%ff/invocations"), Some(Err(_))));
+        assert!(matches!(invocation_endpoint("/endpoints/%zz/invocations"), Some(Err(_))));
+        assert_eq!(invocation_endpoint("/endpoints//invocations"), None);
+        assert_eq!(invocation_endpoint("/endpoints/a/b/invocations"), None);
+        assert_eq!(invocation_endpoint("/other"), None);
+    }
+
+    #[test]
+    fn error_body_shape() {
+        let r = error_response(404, "unknown endpoint \"x\"", "not_found_error");
+        assert_eq!(r.status(), 404);
+        let Inner::Full(Some(b)) = &r.body().kind else { panic!() };
+        let v: serde_json::Value = serde_json::from_slice(b).unwrap();
+        assert_eq!(v["error"]["message"], "unknown endpoint \"x\"");
+        assert_eq!(v["error"]["type"], "not_found_error");
+    }
+}

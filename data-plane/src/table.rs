@@ -1,0 +1,632 @@
+//! The routing table as the router uses it: validated once from the wire type, immutable, shared
+//! behind an `Arc` (requests keep the table they started with).
+//!
+//! Everything a request needs is precomputed here: instance id hashes for rendezvous hashing,
+//! cumulative variant weights, header values, metric counters.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::HeaderValue;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::load::{InstanceState, VariantLoad};
+use crate::metrics::RouteStats;
+
+/// Default `prefix_length` when the table leaves it 0.
+pub const DEFAULT_PREFIX_LENGTH: u32 = 2048;
+/// Default `concurrency_threshold` when the table leaves it 0.
+pub const DEFAULT_CONCURRENCY_THRESHOLD: u32 = 64;
+pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 64..=65536;
+pub const CONCURRENCY_THRESHOLD_RANGE: std::ops::RangeInclusive<u32> = 1..=4096;
+
+/// Why a wire routing table was rejected (the NACK's error detail).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TableError {
+    #[error("endpoints[{index}].endpoint_name is empty")]
+    EmptyEndpointName { index: usize },
+    #[error("duplicate endpoint name {0:?}")]
+    DuplicateEndpoint(String),
+    #[error("endpoint {endpoint:?}: variants[{index}].variant_name is empty")]
+    EmptyVariantName { endpoint: String, index: usize },
+    #[error("endpoint {endpoint:?}: duplicate variant name {variant:?}")]
+    DuplicateVariant { endpoint: String, variant: String },
+    #[error("{field} {value:?} contains control characters")]
+    ControlCharacters { field: &'static str, value: String },
+    #[error("endpoint {endpoint:?} variant {variant:?}: weight {weight} must be a finite number > 0")]
+    BadWeight { endpoint: String, variant: String, weight: f32 },
+    #[error(
+        "endpoint {endpoint:?} variant {variant:?}: unknown routing strategy {value} (expected {})",
+        proto::RoutingStrategy::USER_NAMES
+    )]
+    UnknownStrategy { endpoint: String, variant: String, value: i32 },
+    #[error("endpoint {endpoint:?} variant {variant:?}: prefix_length {value} out of range 64..=65536")]
+    BadPrefixLength { endpoint: String, variant: String, value: u32 },
+    #[error("endpoint {endpoint:?} variant {variant:?}: concurrency_threshold {value} out of range 1..=4096")]
+    BadConcurrencyThreshold { endpoint: String, variant: String, value: u32 },
+    #[error("endpoint {endpoint:?} variant {variant:?}: instances[{index}].instance_id is empty")]
+    EmptyInstanceId { endpoint: String, variant: String, index: usize },
+    #[error("endpoint {endpoint:?} variant {variant:?}: duplicate instance id {instance:?}")]
+    DuplicateInstance { endpoint: String, variant: String, instance: String },
+    #[error("endpoint {endpoint:?} variant {variant:?}: bad instance URL {address:?} for instance {instance:?}: {reason}")]
+    BadInstanceUrl { endpoint: String, variant: String, instance: String, address: String, reason: String },
+}
+
+/// How a variant picks an instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Random,
+    LeastOutstandingRequests,
+    PrefixAware(PrefixAware),
+}
+
+/// PREFIX_AWARE settings, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixAware {
+    /// Characters (OpenAI API) or bytes (`/invocations`) of the prompt that form the key.
+    pub prefix_length: u32,
+    /// In-flight requests at which an instance is skipped even if it holds the prefix.
+    pub concurrency_threshold: u32,
+}
+
+impl Strategy {
+    pub fn user_name(&self) -> &'static str {
+        match self {
+            Strategy::Random => "RANDOM",
+            Strategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
+            Strategy::PrefixAware(_) => "PREFIX_AWARE",
+        }
+    }
+}
+
+/// One model server behind a variant.
+#[derive(Debug)]
+pub struct Instance {
+    id: Arc<str>,
+    address: Arc<str>,
+    id_hash: u64,
+    scheme: Scheme,
+    authority: Authority,
+    /// Path prefix of the address ("" for `http://host:port`).
+    base_path: Arc<str>,
+    header: HeaderValue,
+    state: Arc<InstanceState>,
+    stats: Arc<RouteStats>,
+}
+
+impl Instance {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+    /// xxh3 of the instance id: its identity for rendezvous hashing.
+    pub fn id_hash(&self) -> u64 {
+        self.id_hash
+    }
+    pub fn state(&self) -> &Arc<InstanceState> {
+        &self.state
+    }
+    pub fn stats(&self) -> &RouteStats {
+        &self.stats
+    }
+    /// Value of the `x-prefix-router-instance` header.
+    pub fn header(&self) -> &HeaderValue {
+        &self.header
+    }
+
+    /// The upstream URI for a request path (with query).
+    pub fn uri(&self, path_and_query: &PathAndQuery) -> Result<http::Uri, http::Error> {
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        parts.path_and_query = Some(if self.base_path.is_empty() {
+            path_and_query.clone()
+        } else {
+            PathAndQuery::try_from(format!("{}{}", self.base_path, path_and_query.as_str()))?
+        });
+        Ok(http::Uri::from_parts(parts)?)
+    }
+}
+
+/// A production variant: a strategy over a set of instances.
+#[derive(Debug)]
+pub struct Variant {
+    name: Arc<str>,
+    model_name: Arc<str>,
+    weight: f32,
+    strategy: Strategy,
+    instances: Box<[Instance]>,
+    id_hashes: Box<[u64]>,
+    /// Mixed into prefix-index keys so variants do not share entries.
+    salt: u64,
+    header: HeaderValue,
+    load: Arc<VariantLoad>,
+}
+
+impl Variant {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn model_name(&self) -> &str {
+        &self.model_name
+    }
+    pub fn weight(&self) -> f32 {
+        self.weight
+    }
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+    pub fn instances(&self) -> &[Instance] {
+        &self.instances
+    }
+    /// `instances()[i].id_hash()`, contiguous for the rendezvous scan.
+    pub fn id_hashes(&self) -> &[u64] {
+        &self.id_hashes
+    }
+    pub fn salt(&self) -> u64 {
+        self.salt
+    }
+    pub fn header(&self) -> &HeaderValue {
+        &self.header
+    }
+    pub fn load(&self) -> &Arc<VariantLoad> {
+        &self.load
+    }
+}
+
+/// An endpoint: weighted production variants.
+#[derive(Debug)]
+pub struct Endpoint {
+    name: Arc<str>,
+    config_name: String,
+    config_revision: u64,
+    variants: Box<[Variant]>,
+    /// Running sum of variant weights, for the weighted pick.
+    cumulative_weights: Box<[f64]>,
+}
+
+impl Endpoint {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn config_name(&self) -> &str {
+        &self.config_name
+    }
+    pub fn config_revision(&self) -> u64 {
+        self.config_revision
+    }
+    pub fn variants(&self) -> &[Variant] {
+        &self.variants
+    }
+    pub fn variant(&self, name: &str) -> Option<&Variant> {
+        self.variants.iter().find(|v| &*v.name == name)
+    }
+
+    /// The variant whose weight interval holds `x` in `[0, 1)`.
+    pub fn pick_variant(&self, x: f64) -> Option<&Variant> {
+        let total = *self.cumulative_weights.last()?;
+        let target = x * total;
+        let i = self.cumulative_weights.partition_point(|&c| c <= target);
+        self.variants.get(i.min(self.variants.len() - 1))
+    }
+}
+
+/// A validated, versioned routing table.
+#[derive(Debug)]
+pub struct RoutingTable {
+    version: u64,
+    version_header: HeaderValue,
+    endpoints: HashMap<Box<str>, Endpoint>,
+}
+
+impl RoutingTable {
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+    pub fn version_header(&self) -> &HeaderValue {
+        &self.version_header
+    }
+    pub fn endpoint(&self, name: &str) -> Option<&Endpoint> {
+        self.endpoints.get(name)
+    }
+    pub fn endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        self.endpoints.values()
+    }
+
+    /// Validates a wire table and builds it, reusing the load state, health and counters of
+    /// instances that `previous` already had.
+    pub fn build(wire: proto::RoutingTable, previous: Option<&RoutingTable>) -> Result<Self, TableError> {
+        // State of every previous instance by id, built only if an instance is not found in its
+        // own previous variant (new, or moved between variants).
+        let mut old_states: Option<HashMap<&str, &Arc<InstanceState>>> = None;
+        let all_old_states = || {
+            let mut map = HashMap::new();
+            for e in previous.iter().flat_map(|p| p.endpoints.values()) {
+                for v in e.variants.iter() {
+                    for i in v.instances.iter() {
+                        map.insert(&*i.id, &i.state);
+                    }
+                }
+            }
+            map
+        };
+        // One state per instance id in this table, shared by every variant that lists it.
+        let mut new_states: HashMap<&str, Arc<InstanceState>> = HashMap::new();
+        let mut endpoints = HashMap::with_capacity(wire.endpoints.len());
+        for (index, e) in wire.endpoints.iter().enumerate() {
+            if e.endpoint_name.is_empty() {
+                return Err(TableError::EmptyEndpointName { index });
+            }
+            no_control_chars("endpoint_name", &e.endpoint_name)?;
+            if endpoints.contains_key(e.endpoint_name.as_str()) {
+                return Err(TableError::DuplicateEndpoint(e.endpoint_name.clone()));
+            }
+            let prev_endpoint = previous.and_then(|p| p.endpoint(&e.endpoint_name));
+            let mut variants = Vec::with_capacity(e.variants.len());
+            let mut cumulative = Vec::with_capacity(e.variants.len());
+            let mut sum = 0f64;
+            for (vi, v) in e.variants.iter().enumerate() {
+                let endpoint = &e.endpoint_name;
+                if v.variant_name.is_empty() {
+                    return Err(TableError::EmptyVariantName { endpoint: endpoint.clone(), index: vi });
+                }
+                no_control_chars("variant_name", &v.variant_name)?;
+                if e.variants[..vi].iter().any(|o| o.variant_name == v.variant_name) {
+                    return Err(TableError::DuplicateVariant {
+                        endpoint: endpoint.clone(),
+                        variant: v.variant_name.clone(),
+                    });
+                }
+                let ctx = || (endpoint.clone(), v.variant_name.clone());
+                if !(v.weight.is_finite() && v.weight > 0.0) {
+                    let (endpoint, variant) = ctx();
+                    return Err(TableError::BadWeight { endpoint, variant, weight: v.weight });
+                }
+                let strategy = strategy(v, ctx)?;
+                let prev_variant = prev_endpoint.and_then(|p| p.variant(&v.variant_name));
+                let prev_instances: HashMap<&str, &Instance> = prev_variant
+                    .map(|pv| pv.instances.iter().map(|i| (&*i.id, i)).collect())
+                    .unwrap_or_default();
+                let mut seen = std::collections::HashSet::with_capacity(v.instances.len());
+                let mut instances = Vec::with_capacity(v.instances.len());
+                for (ii, inst) in v.instances.iter().enumerate() {
+                    let id = inst.instance_id.as_str();
+                    if id.is_empty() {
+                        let (endpoint, variant) = ctx();
+                        return Err(TableError::EmptyInstanceId { endpoint, variant, index: ii });
+                    }
+                    if !seen.insert(id) {
+                        let (endpoint, variant) = ctx();
+                        return Err(TableError::DuplicateInstance { endpoint, variant, instance: id.to_string() });
+                    }
+                    let prev = prev_instances.get(id).copied();
+                    let state = new_states
+                        .entry(id)
+                        .or_insert_with(|| match prev {
+                            Some(p) => p.state.clone(),
+                            None => old_states
+                                .get_or_insert_with(all_old_states)
+                                .get(id)
+                                .map(|s| Arc::clone(s))
+                                .unwrap_or_default(),
+                        })
+                        .clone();
+                    let address = inst.address.trim_end_matches('/');
+                    let instance = match prev {
+                        // Same instance at the same address: reuse the parsed parts and counters.
+                        Some(p) if *p.address == *address => Instance {
+                            id: p.id.clone(),
+                            address: p.address.clone(),
+                            id_hash: p.id_hash,
+                            scheme: p.scheme.clone(),
+                            authority: p.authority.clone(),
+                            base_path: p.base_path.clone(),
+                            header: p.header.clone(),
+                            state,
+                            stats: p.stats.clone(),
+                        },
+                        _ => {
+                            let bad_url = |reason: String| {
+                                let (endpoint, variant) = ctx();
+                                TableError::BadInstanceUrl {
+                                    endpoint,
+                                    variant,
+                                    instance: id.to_string(),
+                                    address: inst.address.clone(),
+                                    reason,
+                                }
+                            };
+                            let (scheme, authority, base_path) = parse_address(&inst.address).map_err(bad_url)?;
+                            Instance {
+                                id: id.into(),
+                                id_hash: xxh3_64(id.as_bytes()),
+                                header: HeaderValue::from_str(address).map_err(|e| bad_url(e.to_string()))?,
+                                address: address.into(),
+                                scheme,
+                                authority,
+                                base_path,
+                                state,
+                                stats: prev.map(|p| p.stats.clone()).unwrap_or_default(),
+                            }
+                        }
+                    };
+                    instances.push(instance);
+                }
+                sum += v.weight as f64;
+                cumulative.push(sum);
+                let name: Arc<str> = v.variant_name.as_str().into();
+                variants.push(Variant {
+                    header: HeaderValue::from_str(&name).map_err(|_| TableError::ControlCharacters {
+                        field: "variant_name",
+                        value: v.variant_name.clone(),
+                    })?,
+                    salt: xxh3_64(format!("{}\0{}", e.endpoint_name, v.variant_name).as_bytes()),
+                    id_hashes: instances.iter().map(|i| i.id_hash).collect(),
+                    instances: instances.into_boxed_slice(),
+                    name,
+                    model_name: v.model_name.as_str().into(),
+                    weight: v.weight,
+                    strategy,
+                    load: prev_variant.map(|pv| pv.load.clone()).unwrap_or_default(),
+                });
+            }
+            endpoints.insert(
+                e.endpoint_name.as_str().into(),
+                Endpoint {
+                    name: e.endpoint_name.as_str().into(),
+                    config_name: e.endpoint_config_name.clone(),
+                    config_revision: e.endpoint_config_revision,
+                    variants: variants.into_boxed_slice(),
+                    cumulative_weights: cumulative.into_boxed_slice(),
+                },
+            );
+        }
+        Ok(RoutingTable { version: wire.version, version_header: HeaderValue::from(wire.version), endpoints })
+    }
+}
+
+impl TryFrom<proto::RoutingTable> for RoutingTable {
+    type Error = TableError;
+    fn try_from(wire: proto::RoutingTable) -> Result<Self, TableError> {
+        RoutingTable::build(wire, None)
+    }
+}
+
+fn no_control_chars(field: &'static str, value: &str) -> Result<(), TableError> {
+    if value.chars().any(|c| c.is_control()) {
+        return Err(TableError::ControlCharacters { field, value: value.to_string() });
+    }
+    Ok(())
+}
+
+fn strategy(v: &proto::VariantRoutes, ctx: impl Fn() -> (String, String)) -> Result<Strategy, TableError> {
+    let config = v.routing_config.as_ref();
+    let raw = config.map_or(0, |c| c.routing_strategy);
+    let kind = proto::RoutingStrategy::try_from(raw).map_err(|_| {
+        let (endpoint, variant) = ctx();
+        TableError::UnknownStrategy { endpoint, variant, value: raw }
+    })?;
+    Ok(match kind {
+        proto::RoutingStrategy::Unspecified | proto::RoutingStrategy::Random => Strategy::Random,
+        proto::RoutingStrategy::LeastOutstandingRequests => Strategy::LeastOutstandingRequests,
+        proto::RoutingStrategy::PrefixAware => {
+            let pa = config.and_then(|c| c.prefix_aware_routing_config).unwrap_or_default();
+            let prefix_length = if pa.prefix_length == 0 { DEFAULT_PREFIX_LENGTH } else { pa.prefix_length };
+            if !PREFIX_LENGTH_RANGE.contains(&prefix_length) {
+                let (endpoint, variant) = ctx();
+                return Err(TableError::BadPrefixLength { endpoint, variant, value: prefix_length });
+            }
+            let concurrency_threshold = if pa.concurrency_threshold == 0 {
+                DEFAULT_CONCURRENCY_THRESHOLD
+            } else {
+                pa.concurrency_threshold
+            };
+            if !CONCURRENCY_THRESHOLD_RANGE.contains(&concurrency_threshold) {
+                let (endpoint, variant) = ctx();
+                return Err(TableError::BadConcurrencyThreshold { endpoint, variant, value: concurrency_threshold });
+            }
+            Strategy::PrefixAware(PrefixAware { prefix_length, concurrency_threshold })
+        }
+    })
+}
+
+/// `http://host:port[/base]` -> parts. Only plain HTTP: the router has no TLS client.
+fn parse_address(address: &str) -> Result<(Scheme, Authority, Arc<str>), String> {
+    let uri: http::Uri = address.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
+    let parts = uri.into_parts();
+    match parts.scheme {
+        Some(ref s) if *s == Scheme::HTTP => {}
+        Some(s) => return Err(format!("scheme {s:?} is not supported (expected http)")),
+        None => return Err("missing scheme (expected http://host:port)".into()),
+    }
+    let authority = parts.authority.ok_or("missing host")?;
+    if authority.host().is_empty() {
+        return Err("missing host".into());
+    }
+    if authority.as_str().contains('@') {
+        return Err("user info is not supported".into());
+    }
+    let base = match &parts.path_and_query {
+        Some(pq) if pq.query().is_some() => return Err("a query string is not allowed".into()),
+        Some(pq) => pq.path().trim_end_matches('/'),
+        None => "",
+    };
+    Ok((Scheme::HTTP, authority, base.into()))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use proto::{EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes};
+
+    pub(crate) fn variant(name: &str, strategy: RoutingStrategy, addresses: &[&str]) -> VariantRoutes {
+        VariantRoutes {
+            variant_name: name.into(),
+            model_name: "m".into(),
+            weight: 1.0,
+            routing_config: Some(RoutingConfig {
+                routing_strategy: strategy as i32,
+                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                    prefix_length: 1024,
+                    concurrency_threshold: 8,
+                }),
+            }),
+            instances: addresses
+                .iter()
+                .map(|a| proto::Instance { instance_id: a.to_string(), address: a.to_string() })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn table(version: u64, endpoint: &str, variants: Vec<VariantRoutes>) -> proto::RoutingTable {
+        proto::RoutingTable {
+            version,
+            endpoints: vec![EndpointRoutes {
+                endpoint_name: endpoint.into(),
+                endpoint_config_name: "c".into(),
+                endpoint_config_revision: 1,
+                variants,
+            }],
+        }
+    }
+
+    fn err(mut f: impl FnMut(&mut proto::RoutingTable)) -> String {
+        let mut t = table(1, "e", vec![variant("v1", RoutingStrategy::PrefixAware, &["http://127.0.0.1:1"])]);
+        f(&mut t);
+        RoutingTable::try_from(t).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn valid_table_builds_with_defaults() {
+        let mut wire = table(3, "e", vec![variant("v1", RoutingStrategy::Unspecified, &["http://a:1/", "http://b:2/base"])]);
+        wire.endpoints[0].variants[0].routing_config = None;
+        let t = RoutingTable::try_from(wire).unwrap();
+        assert_eq!(t.version(), 3);
+        let v = t.endpoint("e").unwrap().variant("v1").unwrap();
+        assert_eq!(v.strategy(), Strategy::Random);
+        assert_eq!(v.instances()[0].address(), "http://a:1");
+        let pq = PathAndQuery::from_static("/v1/completions?x=1");
+        assert_eq!(v.instances()[1].uri(&pq).unwrap().to_string(), "http://b:2/base/v1/completions?x=1");
+        assert_eq!(v.instances()[0].uri(&pq).unwrap().to_string(), "http://a:1/v1/completions?x=1");
+
+        let mut wire = table(3, "e", vec![variant("v1", RoutingStrategy::PrefixAware, &["http://a:1"])]);
+        wire.endpoints[0].variants[0].routing_config.as_mut().unwrap().prefix_aware_routing_config = None;
+        let t = RoutingTable::try_from(wire).unwrap();
+        assert_eq!(
+            t.endpoint("e").unwrap().variants()[0].strategy(),
+            Strategy::PrefixAware(PrefixAware { prefix_length: 2048, concurrency_threshold: 64 })
+        );
+    }
+
+    #[test]
+    fn invalid_tables_name_field_and_value() {
+        type Edit = Box<dyn FnMut(&mut proto::RoutingTable)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (Box::new(|t| t.endpoints[0].endpoint_name.clear()), "endpoints[0].endpoint_name is empty"),
+            (Box::new(|t| t.endpoints.push(t.endpoints[0].clone())), "duplicate endpoint name \"e\""),
+            (
+                Box::new(|t| {
+                    let v = t.endpoints[0].variants[0].clone();
+                    t.endpoints[0].variants.push(v)
+                }),
+                "endpoint \"e\": duplicate variant name \"v1\"",
+            ),
+            (Box::new(|t| t.endpoints[0].variants[0].weight = 0.0), "weight 0 must be a finite number > 0"),
+            (Box::new(|t| t.endpoints[0].variants[0].weight = -2.0), "weight -2 must be"),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].routing_config.as_mut().unwrap().routing_strategy = 9),
+                "unknown routing strategy 9 (expected RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE)",
+            ),
+            (
+                Box::new(|t| {
+                    t.endpoints[0].variants[0]
+                        .routing_config
+                        .as_mut()
+                        .unwrap()
+                        .prefix_aware_routing_config
+                        .as_mut()
+                        .unwrap()
+                        .prefix_length = 10
+                }),
+                "prefix_length 10 out of range 64..=65536",
+            ),
+            (
+                Box::new(|t| {
+                    t.endpoints[0].variants[0]
+                        .routing_config
+                        .as_mut()
+                        .unwrap()
+                        .prefix_aware_routing_config
+                        .as_mut()
+                        .unwrap()
+                        .concurrency_threshold = 5000
+                }),
+                "concurrency_threshold 5000 out of range 1..=4096",
+            ),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].instances[0].address = "ftp://x:1".into()),
+                "bad instance URL \"ftp://x:1\" for instance \"http://127.0.0.1:1\": scheme \"ftp\" is not supported",
+            ),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].instances[0].address = "127.0.0.1:9000".into()),
+                "bad instance URL \"127.0.0.1:9000\"",
+            ),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].instances[0].address = "not a url".into()),
+                "bad instance URL \"not a url\"",
+            ),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].instances[0].address = "https://x:1".into()),
+                "scheme \"https\" is not supported",
+            ),
+            (
+                Box::new(|t| {
+                    let i = t.endpoints[0].variants[0].instances[0].clone();
+                    t.endpoints[0].variants[0].instances.push(i)
+                }),
+                "duplicate instance id \"http://127.0.0.1:1\"",
+            ),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].instances[0].instance_id.clear()),
+                "instances[0].instance_id is empty",
+            ),
+            (Box::new(|t| t.endpoints[0].variants[0].variant_name = "a\nb".into()), "control characters"),
+        ];
+        for (mut f, want) in cases {
+            let got = err(&mut f);
+            assert!(got.contains(want), "got {got:?}, want {want:?}");
+        }
+    }
+
+    #[test]
+    fn rebuild_reuses_state_of_instances_still_there() {
+        let wire = table(1, "e", vec![variant("v1", RoutingStrategy::Random, &["http://a:1", "http://b:1"])]);
+        let t1 = RoutingTable::try_from(wire).unwrap();
+        let v1 = &t1.endpoint("e").unwrap().variants()[0];
+        let _held = crate::load::InFlight::start(v1.instances()[0].state(), v1.load());
+        let wire2 = table(2, "e", vec![variant("v1", RoutingStrategy::LeastOutstandingRequests, &["http://c:1", "http://a:1"])]);
+        let t2 = RoutingTable::build(wire2, Some(&t1)).unwrap();
+        let v2 = &t2.endpoint("e").unwrap().variants()[0];
+        assert!(Arc::ptr_eq(v2.instances()[1].state(), v1.instances()[0].state()));
+        assert_eq!(v2.instances()[1].state().outstanding(), 1);
+        assert_eq!(v2.instances()[0].state().outstanding(), 0);
+        assert_eq!(v2.load().outstanding(), 1);
+    }
+
+    #[test]
+    fn weighted_variant_pick() {
+        let mut a = variant("a", RoutingStrategy::Random, &["http://a:1"]);
+        a.weight = 1.0;
+        let mut b = variant("b", RoutingStrategy::Random, &["http://b:1"]);
+        b.weight = 3.0;
+        let t = RoutingTable::try_from(table(1, "e", vec![a, b])).unwrap();
+        let e = t.endpoint("e").unwrap();
+        assert_eq!(e.pick_variant(0.0).unwrap().name(), "a");
+        assert_eq!(e.pick_variant(0.24).unwrap().name(), "a");
+        assert_eq!(e.pick_variant(0.25).unwrap().name(), "b");
+        assert_eq!(e.pick_variant(0.999).unwrap().name(), "b");
+    }
+}

@@ -1,0 +1,208 @@
+//! Added latency and throughput of the data plane, against calling the backend directly, in the
+//! same run.
+//!
+//! Run: `cargo bench -p integration-tests --bench router_overhead` (env `REQUESTS`, `STRATEGY`
+//! = RANDOM | LEAST_OUTSTANDING_REQUESTS | PREFIX_AWARE, `SECONDS` for the throughput phase).
+//!
+//! The backend answers at once with a static JSON body (the role nginx would play); the request is
+//! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
+//! in blocks so that both see the same machine noise; p50/p99 of each and of the difference.
+//! Phase 2: 32 connections for a fixed time against each target; requests per second and the ratio.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt, Full};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use proto::control_plane_client::ControlPlaneClient;
+use proto::*;
+
+const RESPONSE: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":8192,"completion_tokens":1,"total_tokens":8193}}"#;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+async fn backend() -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc = service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                    // Read the whole body, as a model server would.
+                    let _ = req.into_body().collect().await;
+                    Ok::<_, Infallible>(
+                        hyper::Response::builder()
+                            .header("content-type", "application/json")
+                            .body(Full::new(Bytes::from_static(RESPONSE.as_bytes())))
+                            .unwrap(),
+                    )
+                });
+                let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            });
+        }
+    });
+    Ok(url)
+}
+
+fn chat_body() -> Bytes {
+    let system = "You are a helpful assistant. ".repeat(40);
+    let mut user = String::new();
+    let mut i = 0u64;
+    while system.len() + user.len() < 32 * 1024 - 200 {
+        user.push_str(&format!("word{} ", i.wrapping_mul(2654435761) % 100_000));
+        i += 1;
+    }
+    let body = serde_json::json!({
+        "model": "bench",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 1
+    });
+    Bytes::from(serde_json::to_vec(&body).unwrap())
+}
+
+async fn one(client: &HttpClient, uri: &http::Uri, body: &Bytes) -> anyhow::Result<()> {
+    let req = http::Request::post(uri.clone())
+        .header("content-type", "application/json")
+        .header("x-endpoint-name", "bench")
+        .body(Full::new(body.clone()))?;
+    let resp = client.request(req).await?;
+    anyhow::ensure!(resp.status().is_success(), "HTTP {}", resp.status());
+    resp.into_body().collect().await?;
+    Ok(())
+}
+
+fn client(max_idle: usize) -> HttpClient {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).pool_max_idle_per_host(max_idle).build(c)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+async fn throughput(target: &http::Uri, body: &Bytes, connections: usize, seconds: f64) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        let (done, stop, target, body) = (done.clone(), stop.clone(), target.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = client(1);
+            while !stop.load(Ordering::Relaxed) {
+                if one(&c, &target, &body).await.is_ok() {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let start = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    let n = done.load(Ordering::Relaxed);
+    let elapsed = start.elapsed().as_secs_f64();
+    for t in tasks {
+        let _ = t.await;
+    }
+    n as f64 / elapsed
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--list") {
+        return Ok(());
+    }
+    let requests: usize = env("REQUESTS", 4000);
+    let seconds: f64 = env("SECONDS", 5.0);
+    let strategy_name: String = env("STRATEGY", "PREFIX_AWARE".to_string());
+    let strategy = RoutingStrategy::from_user_name(&strategy_name)
+        .ok_or_else(|| anyhow::anyhow!("unknown STRATEGY {strategy_name:?}"))?;
+
+    let backend_url = backend().await?;
+    let dir = tempfile::tempdir()?;
+    let cp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let cp_url = format!("http://{}", cp_listener.local_addr()?);
+    let store = control_plane::open_store(dir.path())?;
+    tokio::spawn(control_plane::serve_store(cp_listener, store, Duration::from_secs(1), std::future::pending()));
+    let mut cp = ControlPlaneClient::connect(cp_url.clone()).await?;
+    cp.create_endpoint_config(CreateEndpointConfigRequest {
+        endpoint_config_name: "bench".into(),
+        production_variants: vec![ProductionVariant {
+            variant_name: "v1".into(),
+            model_name: "m".into(),
+            initial_variant_weight: Some(1.0),
+            routing_config: Some(RoutingConfig {
+                routing_strategy: strategy as i32,
+                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig { prefix_length: 4096, concurrency_threshold: 4096 }),
+            }),
+            instances: vec![backend_url.clone()],
+        }],
+    })
+    .await?;
+    cp.create_endpoint(CreateEndpointRequest { endpoint_name: "bench".into(), endpoint_config_name: "bench".into() }).await?;
+
+    let dp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let dp_url = format!("http://{}", dp_listener.local_addr()?);
+    let config = data_plane::Config::try_parse_from(["data-plane", "--control-plane", &cp_url, "--node-id", "bench"])?;
+    tokio::spawn(data_plane::serve(dp_listener, config, std::future::pending()));
+
+    let body = chat_body();
+    let direct: http::Uri = format!("{backend_url}/v1/chat/completions").parse()?;
+    let routed: http::Uri = format!("{dp_url}/v1/chat/completions").parse()?;
+    let c = client(1);
+    // Ready once a routed request succeeds.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while one(&c, &routed, &body).await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the router did not become ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Phase 1: one connection each, interleaved blocks of 50.
+    let cd = client(1);
+    let cr = client(1);
+    let (mut d, mut r) = (Vec::with_capacity(requests), Vec::with_capacity(requests));
+    for _ in 0..200 {
+        one(&cd, &direct, &body).await?;
+        one(&cr, &routed, &body).await?;
+    }
+    while d.len() < requests {
+        for _ in 0..50 {
+            let t = Instant::now();
+            one(&cd, &direct, &body).await?;
+            d.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        for _ in 0..50 {
+            let t = Instant::now();
+            one(&cr, &routed, &body).await?;
+            r.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    d.sort_by(f64::total_cmp);
+    r.sort_by(f64::total_cmp);
+    println!("router_overhead: 32 KiB chat body, strategy {}, backend answers at once", strategy.user_name());
+    println!("  1 connection, {requests} requests each (µs):");
+    println!("    direct   p50 {:>8.1}  p99 {:>8.1}", pct(&d, 0.5), pct(&d, 0.99));
+    println!("    routed   p50 {:>8.1}  p99 {:>8.1}", pct(&r, 0.5), pct(&r, 0.99));
+    println!("    added    p50 {:>8.1}  p99 {:>8.1}", pct(&r, 0.5) - pct(&d, 0.5), pct(&r, 0.99) - pct(&d, 0.99));
+
+    // Phase 2: 32 connections.
+    let direct_rps = throughput(&direct, &body, 32, seconds).await;
+    let routed_rps = throughput(&routed, &body, 32, seconds).await;
+    println!("  32 connections, {seconds} s each:");
+    println!("    direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}", routed_rps / direct_rps);
+    Ok(())
+}
