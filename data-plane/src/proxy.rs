@@ -91,7 +91,7 @@ impl Router {
                 None => self.unrouted(None, 503, "no routing table applied yet", "service_unavailable"),
             },
             "/metrics" => {
-                let table = self.table.load();
+                let table = self.table.load_full();
                 let text = self.metrics.render(table.as_deref(), self.placement.index().len());
                 let mut r = Response::new(ResponseBody::full(text));
                 r.headers_mut()
@@ -174,7 +174,7 @@ impl Router {
     async fn forward(
         &self,
         table: &RoutingTable,
-        route: Route<'_>,
+        mut route: Route<'_>,
         parts: &http::request::Parts,
         body: Bytes,
         mut in_flight: InFlight,
@@ -182,25 +182,24 @@ impl Router {
         deadline: Instant,
     ) -> Response<ResponseBody> {
         let variant = route.variant;
-        let mut current = route.instance;
         let mut retried = false;
         loop {
-            let instance = &variant.instances()[current];
+            let instance = &variant.instances()[route.instance];
             let request = match upstream_request(parts, instance.uri(upstream_path), &body) {
                 Ok(r) => r,
                 Err(e) => {
                     let msg = format!("cannot build the upstream request for {}: {e}", instance.address());
-                    return self.routed_error(table, &route, current, 502, &msg, "upstream_error");
+                    return self.routed_error(table, &route, 502, &msg, "upstream_error");
                 }
             };
             let failure = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
                 Err(_) => {
                     let msg = format!("no response from {} within the request timeout", instance.address());
-                    return self.routed_error(table, &route, current, 504, &msg, "timeout_error");
+                    return self.routed_error(table, &route, 504, &msg, "timeout_error");
                 }
                 Ok(Ok(response)) if !response.status().is_server_error() => {
                     instance.state().record_success();
-                    return self.respond(table, &route, current, response, in_flight, deadline);
+                    return self.respond(table, &route, response, in_flight, deadline);
                 }
                 Ok(Ok(response)) => Err(response),
                 Ok(Err(e)) => Ok(e),
@@ -210,19 +209,21 @@ impl Router {
                 tracing::warn!(instance = instance.address(), ?length, "instance ejected after repeated failures");
             }
             if !retried {
-                if let Some((next, _)) = self.placement.choose(variant, route.key, Some(current), now_ms()) {
+                if let Some((next, decision)) = self.placement.choose(variant, route.key, Some(route.instance), now_ms())
+                {
                     retried = true;
                     self.metrics.retries.fetch_add(1, Relaxed);
                     in_flight = InFlight::start(variant.instances()[next].state(), variant.load());
-                    current = next;
+                    route.instance = next;
+                    route.decision = decision;
                     continue;
                 }
             }
             return match failure {
-                Err(response) => self.respond(table, &route, current, response, in_flight, deadline),
+                Err(response) => self.respond(table, &route, response, in_flight, deadline),
                 Ok(e) => {
                     let msg = format!("upstream {} failed: {}", instance.address(), error_chain(&e));
-                    self.routed_error(table, &route, current, 502, &msg, "upstream_error")
+                    self.routed_error(table, &route, 502, &msg, "upstream_error")
                 }
             };
         }
@@ -232,16 +233,15 @@ impl Router {
         &self,
         table: &RoutingTable,
         route: &Route<'_>,
-        current: usize,
         response: Response<Incoming>,
         in_flight: InFlight,
         deadline: Instant,
     ) -> Response<ResponseBody> {
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        let instance = &route.variant.instances()[current];
+        let instance = &route.variant.instances()[route.instance];
         instance.stats().record(route.decision, parts.status.as_u16());
-        set_route_headers(&mut parts.headers, table, route, current);
+        set_route_headers(&mut parts.headers, table, route);
         Response::from_parts(parts, ResponseBody::upstream(body, in_flight, deadline))
     }
 
@@ -249,14 +249,13 @@ impl Router {
         &self,
         table: &RoutingTable,
         route: &Route<'_>,
-        current: usize,
         status: u16,
         message: &str,
         kind: &str,
     ) -> Response<ResponseBody> {
-        route.variant.instances()[current].stats().record(route.decision, status);
+        route.variant.instances()[route.instance].stats().record(route.decision, status);
         let mut r = error_response(status, message, kind);
-        set_route_headers(r.headers_mut(), table, route, current);
+        set_route_headers(r.headers_mut(), table, route);
         r
     }
 
@@ -281,8 +280,8 @@ impl Router {
     }
 }
 
-fn set_route_headers(headers: &mut HeaderMap, table: &RoutingTable, route: &Route<'_>, current: usize) {
-    headers.insert(X_INSTANCE, route.variant.instances()[current].header().clone());
+fn set_route_headers(headers: &mut HeaderMap, table: &RoutingTable, route: &Route<'_>) {
+    headers.insert(X_INSTANCE, route.variant.instances()[route.instance].header().clone());
     headers.insert(X_VARIANT, route.variant.header().clone());
     headers.insert(X_TABLE_VERSION, table.version_header().clone());
     headers.insert(X_DECISION, route.decision.header());
