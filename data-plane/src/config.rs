@@ -43,13 +43,18 @@ pub struct Config {
     pub prefix_index_capacity: usize,
 
     /// Bounded-load factor in percent: an instance takes a key only while its in-flight count is
-    /// under ceil(factor/100 * (variant in-flight + 1) / instances).
-    #[arg(long, default_value_t = 125, value_parser = clap::value_parser!(u32).range(100..=1000))]
+    /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1; above the mean, a growing
+    /// fraction of whole keys (the same ones on every replica) already move to their next choice.
+    #[arg(long, default_value_t = 150, value_parser = clap::value_parser!(u32).range(100..=1000))]
     pub hash_balance_factor: u32,
 
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.
     #[arg(long, default_value_t = 30_000)]
     pub shutdown_grace_ms: u64,
+
+    /// Logs and traces (used by the binary; `serve` ignores them).
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
 }
 
 impl Default for Config {
@@ -93,7 +98,7 @@ mod tests {
         assert_eq!(c.max_body_bytes, 8 << 20);
         assert_eq!(c.request_timeout_ms, 300_000);
         assert_eq!(c.prefix_index_capacity, 100_000);
-        assert_eq!(c.hash_balance_factor, 125);
+        assert_eq!(c.hash_balance_factor, 150);
         assert!(!c.resolved_node_id().is_empty());
         let c = Config::parse_from(["data-plane", "--node-id", "n1", "--hash-balance-factor", "200"]);
         assert_eq!(c.resolved_node_id(), "n1");

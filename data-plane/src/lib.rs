@@ -13,7 +13,8 @@
 //! - [`load`]: in-flight counters (an RAII guard held until the response body ends) and passive
 //!   health (ejection after repeated failures).
 //! - `proxy`: HTTP handling and forwarding (hyper 1, pooled keep-alive connections, streamed
-//!   bodies, one retry, JSON errors); [`metrics`]: Prometheus text from atomics.
+//!   bodies, one retry, JSON errors, the `route` / `upstream` spans and W3C `traceparent` in and
+//!   out); [`metrics`]: Prometheus text from atomics.
 //!
 //! Invariants:
 //! - The data plane never writes state anywhere but memory, except the optional table cache file.

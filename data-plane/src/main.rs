@@ -1,4 +1,4 @@
-//! `data-plane`: flags, logging to stderr, bind, serve until SIGINT/SIGTERM, drain.
+//! `data-plane`: flags, logs (and traces) via `telemetry`, bind, serve until SIGINT/SIGTERM, drain.
 
 use std::process::ExitCode;
 
@@ -8,14 +8,7 @@ use data_plane::Config;
 #[tokio::main]
 async fn main() -> ExitCode {
     let config = Config::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    let _telemetry = config.telemetry.init("data-plane");
     let listener = match tokio::net::TcpListener::bind(&config.listen).await {
         Ok(l) => l,
         Err(e) => {

@@ -1,4 +1,12 @@
 //! The HTTP side: request handling, forwarding with one retry, streamed responses, JSON errors.
+//!
+//! Tracing: each proxied request has a `route` span (endpoint, variant, strategy, decision,
+//! instance, table version, request bytes, status) and one `upstream` child span per attempt
+//! (instance, status, time to first body byte, body bytes), both ending with the response body.
+//! The caller's W3C `traceparent` parents `route`; `upstream`'s context goes to the instance in
+//! `traceparent`. With trace export off these spans are disabled: no header is read or written
+//! and nothing is allocated for them. Numbers are recorded as `i64`: `tracing-opentelemetry`
+//! exports other integer types as strings.
 
 use std::convert::Infallible;
 use std::future::Future as _;
@@ -20,6 +28,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::{Instant, Sleep};
+use tracing::field::Empty;
+use tracing::Span;
 
 use crate::config::Config;
 use crate::load::{now_ms, InFlight};
@@ -110,12 +120,43 @@ impl Router {
         Ok(response)
     }
 
+    /// [`Self::route_and_forward`] inside the request's `route` span.
     async fn proxy(
         &self,
         req: Request<Incoming>,
         kind: BodyKind,
         path_endpoint: Option<String>,
         upstream_path: PathAndQuery,
+    ) -> Response<ResponseBody> {
+        let span = tracing::info_span!(
+            "route",
+            otel.kind = "server",
+            endpoint = Empty,
+            variant = Empty,
+            strategy = Empty,
+            decision = Empty,
+            instance = Empty,
+            table_version = Empty,
+            request_bytes = Empty,
+            status = Empty,
+            otel.status_code = Empty,
+        );
+        if span.is_disabled() {
+            return self.route_and_forward(req, kind, path_endpoint, upstream_path, &span).await;
+        }
+        telemetry::propagation::set_parent_from_headers(&span, req.headers());
+        let response = self.route_and_forward(req, kind, path_endpoint, upstream_path, &span).await;
+        record_status(&span, response.status());
+        response
+    }
+
+    async fn route_and_forward(
+        &self,
+        req: Request<Incoming>,
+        kind: BodyKind,
+        path_endpoint: Option<String>,
+        upstream_path: PathAndQuery,
+        span: &Span,
     ) -> Response<ResponseBody> {
         let deadline = Instant::now() + self.request_timeout;
         let Some(table) = self.table.load_full() else {
@@ -165,7 +206,10 @@ impl Router {
         };
         let in_flight = InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
         self.metrics.decision.observe(started.elapsed());
-        self.forward(&table, route, &parts, body, in_flight, &upstream_path, deadline).await
+        if !span.is_disabled() {
+            record_route(span, &table, &route, body.len());
+        }
+        self.forward(&table, route, &parts, body, in_flight, &upstream_path, deadline, span).await
     }
 
     /// Sends the request; on a connect error or a 5xx before any response byte, once more to the
@@ -180,26 +224,44 @@ impl Router {
         mut in_flight: InFlight,
         upstream_path: &PathAndQuery,
         deadline: Instant,
+        span: &Span,
     ) -> Response<ResponseBody> {
         let variant = route.variant;
         let mut retried = false;
         loop {
             let instance = &variant.instances()[route.instance];
-            let request = match upstream_request(parts, instance.uri(upstream_path), &body) {
+            let mut request = match upstream_request(parts, instance.uri(upstream_path), &body) {
                 Ok(r) => r,
                 Err(e) => {
                     let msg = format!("cannot build the upstream request for {}: {e}", instance.address());
                     return self.routed_error(table, &route, 502, &msg, "upstream_error");
                 }
             };
+            let upstream = tracing::info_span!(
+                parent: span,
+                "upstream",
+                otel.kind = "client",
+                instance = instance.address(),
+                status = Empty,
+                ttfb_ms = Empty,
+                bytes = Empty,
+                error = Empty,
+                otel.status_code = Empty,
+            );
+            let sent = (!upstream.is_disabled()).then(|| {
+                telemetry::propagation::inject_headers(&upstream, request.headers_mut());
+                std::time::Instant::now()
+            });
             let failure = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
                 Err(_) => {
                     let msg = format!("no response from {} within the request timeout", instance.address());
+                    record_failure(&upstream, "timeout");
                     return self.routed_error(table, &route, 504, &msg, "timeout_error");
                 }
                 Ok(Ok(response)) if !response.status().is_server_error() => {
                     instance.state().record_success();
-                    return self.respond(table, &route, response, in_flight, deadline);
+                    let trace = BodyTrace::start(span, upstream, sent, response.status());
+                    return self.respond(table, &route, response, in_flight, deadline, trace);
                 }
                 Ok(Ok(response)) => Err(response),
                 Ok(Err(e)) => Ok(e),
@@ -216,13 +278,26 @@ impl Router {
                     in_flight = InFlight::start(variant.instances()[next].state(), variant.load());
                     route.instance = next;
                     route.decision = decision;
+                    if !span.is_disabled() {
+                        match &failure {
+                            Err(response) => record_failure(&upstream, response.status().as_str()),
+                            Ok(e) => record_failure(&upstream, &error_chain(e)),
+                        }
+                        record_route(span, table, &route, body.len());
+                    }
                     continue;
                 }
             }
             return match failure {
-                Err(response) => self.respond(table, &route, response, in_flight, deadline),
+                Err(response) => {
+                    let trace = BodyTrace::start(span, upstream, sent, response.status());
+                    self.respond(table, &route, response, in_flight, deadline, trace)
+                }
                 Ok(e) => {
                     let msg = format!("upstream {} failed: {}", instance.address(), error_chain(&e));
+                    if !upstream.is_disabled() {
+                        record_failure(&upstream, &msg);
+                    }
                     self.routed_error(table, &route, 502, &msg, "upstream_error")
                 }
             };
@@ -236,13 +311,14 @@ impl Router {
         response: Response<Incoming>,
         in_flight: InFlight,
         deadline: Instant,
+        trace: Option<Box<BodyTrace>>,
     ) -> Response<ResponseBody> {
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let instance = &route.variant.instances()[route.instance];
         instance.stats().record(route.decision, parts.status.as_u16());
         set_route_headers(&mut parts.headers, table, route);
-        Response::from_parts(parts, ResponseBody::upstream(body, in_flight, deadline))
+        Response::from_parts(parts, ResponseBody::upstream(body, in_flight, deadline, trace))
     }
 
     fn routed_error(
@@ -277,6 +353,68 @@ impl Router {
         };
         r.headers_mut().insert(X_TABLE_VERSION, version);
         r
+    }
+}
+
+/// The decision's attributes on the `route` span (call only for an enabled span).
+fn record_route(span: &Span, table: &RoutingTable, route: &Route<'_>, request_bytes: usize) {
+    span.record("endpoint", route.endpoint.name());
+    span.record("variant", route.variant.name());
+    span.record("strategy", route.variant.strategy().user_name());
+    span.record("decision", route.decision.as_str());
+    span.record("instance", route.variant.instances()[route.instance].address());
+    span.record("table_version", table.version() as i64);
+    span.record("request_bytes", request_bytes as i64);
+}
+
+fn record_status(span: &Span, status: StatusCode) {
+    span.record("status", i64::from(status.as_u16()));
+    if status.is_server_error() {
+        span.record("otel.status_code", "error");
+    }
+}
+
+/// Marks an `upstream` span failed with `error` (a status or an error message).
+fn record_failure(span: &Span, error: &str) {
+    span.record("error", error);
+    span.record("otel.status_code", "error");
+}
+
+/// The spans of a traced request, held by its response body until the body ends: the `upstream`
+/// span gets the time to the first body byte and the body's size, then both spans end.
+/// Only built when the request is traced (`None` otherwise: nothing to carry).
+pub(crate) struct BodyTrace {
+    // Field order is drop order: `upstream` ends before `route`.
+    upstream: Span,
+    route: Span,
+    sent: std::time::Instant,
+    bytes: u64,
+    first_byte: bool,
+}
+
+impl BodyTrace {
+    /// `sent` is when the upstream request went out; `None` (span disabled) gives `None`.
+    fn start(route: &Span, upstream: Span, sent: Option<std::time::Instant>, status: StatusCode) -> Option<Box<Self>> {
+        let sent = sent?;
+        upstream.record("status", i64::from(status.as_u16()));
+        if status.is_server_error() {
+            upstream.record("otel.status_code", "error");
+        }
+        Some(Box::new(BodyTrace { upstream, route: route.clone(), sent, bytes: 0, first_byte: false }))
+    }
+
+    fn on_data(&mut self, len: usize) {
+        if !self.first_byte {
+            self.first_byte = true;
+            self.upstream.record("ttfb_ms", self.sent.elapsed().as_secs_f64() * 1e3);
+        }
+        self.bytes += len as u64;
+    }
+}
+
+impl Drop for BodyTrace {
+    fn drop(&mut self) {
+        self.upstream.record("bytes", self.bytes as i64);
     }
 }
 
@@ -395,7 +533,7 @@ pub struct ResponseBody {
 
 enum Inner {
     Full(Option<Bytes>),
-    Upstream { body: Incoming, in_flight: Option<InFlight>, deadline: Pin<Box<Sleep>> },
+    Upstream { body: Incoming, in_flight: Option<InFlight>, deadline: Pin<Box<Sleep>>, trace: Option<Box<BodyTrace>> },
 }
 
 impl ResponseBody {
@@ -403,12 +541,13 @@ impl ResponseBody {
         ResponseBody { kind: Inner::Full(Some(bytes.into())) }
     }
 
-    fn upstream(body: Incoming, in_flight: InFlight, deadline: Instant) -> Self {
+    fn upstream(body: Incoming, in_flight: InFlight, deadline: Instant, trace: Option<Box<BodyTrace>>) -> Self {
         ResponseBody {
             kind: Inner::Upstream {
                 body,
                 in_flight: Some(in_flight),
                 deadline: Box::pin(tokio::time::sleep_until(deadline)),
+                trace,
             },
         }
     }
@@ -421,27 +560,38 @@ impl Body for ResponseBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match &mut self.get_mut().kind {
             Inner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            Inner::Upstream { body, in_flight, deadline } => {
+            Inner::Upstream { body, in_flight, deadline, trace } => {
                 if in_flight.is_none() {
                     return Poll::Ready(None);
                 }
                 if deadline.is_elapsed() {
                     in_flight.take();
+                    end_trace(trace, Some("timeout while streaming the response"));
                     return Poll::Ready(Some(Err(BodyError::Timeout)));
                 }
                 match Pin::new(body).poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let (Some(t), Some(data)) = (trace.as_mut(), frame.data_ref()) {
+                            t.on_data(data.len());
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
                     Poll::Ready(Some(Err(e))) => {
                         in_flight.take();
+                        if trace.is_some() {
+                            end_trace(trace, Some(&format!("upstream response body failed: {e}")));
+                        }
                         Poll::Ready(Some(Err(e.into())))
                     }
                     Poll::Ready(None) => {
                         in_flight.take();
+                        end_trace(trace, None);
                         Poll::Ready(None)
                     }
                     Poll::Pending => {
                         if deadline.as_mut().poll(cx).is_ready() {
                             in_flight.take();
+                            end_trace(trace, Some("timeout while streaming the response"));
                             return Poll::Ready(Some(Err(BodyError::Timeout)));
                         }
                         Poll::Pending
@@ -463,6 +613,16 @@ impl Body for ResponseBody {
             Inner::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             Inner::Full(None) => SizeHint::with_exact(0),
             Inner::Upstream { body, .. } => body.size_hint(),
+        }
+    }
+}
+
+/// Ends a traced body's spans now (rather than when the body is dropped), marking a failure.
+fn end_trace(trace: &mut Option<Box<BodyTrace>>, error: Option<&str>) {
+    if let Some(t) = trace.take() {
+        if let Some(e) = error {
+            record_failure(&t.upstream, e);
+            t.route.record("otel.status_code", "error");
         }
     }
 }
