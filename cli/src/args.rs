@@ -40,6 +40,10 @@ pub struct Cli {
     )]
     pub bearer_token: Option<String>,
 
+    /// Logs on stderr and traces of the API commands and `up` (`bench` and `demo` log nothing).
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -72,6 +76,36 @@ pub enum Command {
     Demo(crate::bench::DemoArgs),
     /// Prints a shell completion script (e.g. `prefixctl completions bash > /etc/bash_completion.d/prefixctl`).
     Completions(CompletionsArgs),
+}
+
+impl Command {
+    /// `endpoint-config create`, ...: the name of an API command (its trace's root span), `None`
+    /// for the others.
+    pub fn api_name(&self) -> Option<&'static str> {
+        Some(match self {
+            Command::EndpointConfig(c) => match c {
+                EndpointConfigCommand::Create(_) => "endpoint-config create",
+                EndpointConfigCommand::Update(_) => "endpoint-config update",
+                EndpointConfigCommand::Describe(_) => "endpoint-config describe",
+                EndpointConfigCommand::List => "endpoint-config list",
+                EndpointConfigCommand::Delete(_) => "endpoint-config delete",
+            },
+            Command::Endpoint(c) => match c {
+                EndpointCommand::Create(_) => "endpoint create",
+                EndpointCommand::Update(_) => "endpoint update",
+                EndpointCommand::Describe(_) => "endpoint describe",
+                EndpointCommand::List => "endpoint list",
+                EndpointCommand::Delete(_) => "endpoint delete",
+            },
+            Command::Instance(c) => match c {
+                InstanceCommand::Register(_) => "instance register",
+                InstanceCommand::Deregister(_) => "instance deregister",
+                InstanceCommand::Renew(_) => "instance renew",
+            },
+            Command::RoutingTable(RoutingTableCommand::Watch(_)) => "routing-table watch",
+            Command::Up(_) | Command::Bench(_) | Command::Demo(_) | Command::Completions(_) => return None,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Subcommand)]

@@ -43,8 +43,18 @@ pub const EXIT_USAGE: u8 = 2;
 /// Exit code for API and connection errors (and everything else that failed).
 pub const EXIT_FAILURE: u8 = 1;
 
-/// Runs one parsed command line.
+/// Runs one parsed command line. An API command runs inside a `prefixctl <command>` span, whose
+/// trace context the SDK sends with each call (so the control plane's spans join its trace).
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(name) = cli.command.api_name() {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!("prefixctl", otel.name = name, otel.kind = "client");
+        return run_command(cli).instrument(span).await;
+    }
+    run_command(cli).await
+}
+
+async fn run_command(cli: Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::EndpointConfig(c) => commands::endpoint_config(&cli, c).await,
         Command::Endpoint(c) => commands::endpoint(&cli, c).await,
@@ -74,7 +84,15 @@ pub fn main(cli: Cli) -> ExitCode {
             return ExitCode::from(EXIT_FAILURE);
         }
     };
-    let result = runtime.block_on(run(cli));
+    let result = runtime.block_on(async {
+        // Logs (and traces, with --otlp-endpoint) for the API commands and `up`; `bench` and
+        // `demo` keep stderr for their own progress. Dropped at the end: flushes the last spans.
+        let _telemetry = match &cli.command {
+            Command::Bench(_) | Command::Demo(_) | Command::Completions(_) => None,
+            _ => Some(cli.telemetry.init("prefixctl")),
+        };
+        run(cli).await
+    });
     // Servers started by `up` have stopped; do not wait on stray blocking tasks.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {

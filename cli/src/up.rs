@@ -138,14 +138,8 @@ pub async fn run(args: &UpArgs, output: OutputFormat) -> anyhow::Result<()> {
             args.time_scale
         )));
     }
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .try_init();
+    // Logs (and traces) were set up by `crate::main` (`telemetry::init`, events only, so the
+    // in-process data plane's request spans stay disabled unless traces are exported).
     // Registered before anything starts, so a Ctrl-C during start-up still stops cleanly.
     let mut signals = Signals::install()?;
 

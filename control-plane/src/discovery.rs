@@ -6,6 +6,9 @@
 //! nonce; the router ACKs or NACKs it, and [`NodeRegistry`] records per node the applied version,
 //! the last NACK and when it was last heard from. Tables are encoded once per version
 //! ([`crate::store::PublishedTable`]) and the same buffer goes to every watcher.
+//!
+//! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
+//! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -122,8 +125,16 @@ struct Session {
     shutdown: watch::Receiver<bool>,
     tx: ResponseTx,
     nonce: u64,
-    /// Nonce and version of the last response sent, awaiting ACK/NACK.
-    pending: Option<(String, u64)>,
+    /// The last response sent, awaiting ACK/NACK.
+    pending: Option<Pending>,
+}
+
+/// A pushed table awaiting its answer.
+struct Pending {
+    nonce: String,
+    version: u64,
+    /// `push_routing_table`, ended by the answer (or by the next push).
+    span: tracing::Span,
 }
 
 impl Session {
@@ -154,7 +165,7 @@ impl Session {
         loop {
             let current = self.tables.borrow_and_update().clone();
             if current.version != held {
-                if !self.send(&current).await {
+                if !self.send(&node_id, &current).await {
                     return;
                 }
                 held = current.version;
@@ -171,16 +182,29 @@ impl Session {
         }
     }
 
-    async fn send(&mut self, table: &PublishedTable) -> bool {
+    async fn send(&mut self, node_id: &str, table: &PublishedTable) -> bool {
         self.nonce += 1;
         let nonce = self.nonce.to_string();
-        self.pending = Some((nonce.clone(), table.version));
+        let span = tracing::info_span!(
+            "push_routing_table",
+            otel.kind = "producer",
+            node_id,
+            version = table.version as i64,
+            nonce = nonce.as_str(),
+            bytes = table.encoded.len() as i64,
+            result = tracing::field::Empty,
+            error = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        if let Some(superseded) = self.pending.replace(Pending { nonce: nonce.clone(), version: table.version, span }) {
+            superseded.span.record("result", "superseded");
+        }
         let response = WatchRoutingTableResponse { version: table.version, nonce, routing_table: table.encoded.clone() };
         self.tx.send(Ok(response)).await.is_ok()
     }
 
     fn on_reply(&mut self, node_id: &str, reply: WatchRoutingTableRequest) {
-        let answered = self.pending.as_ref().filter(|(nonce, _)| *nonce == reply.response_nonce).map(|(_, v)| *v);
+        let answered = self.pending.as_ref().filter(|p| p.nonce == reply.response_nonce).map(|p| p.version);
         self.nodes.update(node_id, |s| match answered {
             Some(version) if reply.error_detail.is_empty() => {
                 s.applied_version = version;
@@ -193,7 +217,15 @@ impl Session {
             None => {}
         });
         if answered.is_some() {
-            self.pending = None;
+            if let Some(pending) = self.pending.take() {
+                if reply.error_detail.is_empty() {
+                    pending.span.record("result", "ack");
+                } else {
+                    pending.span.record("result", "nack");
+                    pending.span.record("otel.status_code", "error");
+                    pending.span.record("error", reply.error_detail.as_str());
+                }
+            }
         }
     }
 }

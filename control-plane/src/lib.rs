@@ -7,13 +7,19 @@
 //! - [`service`]: the `ControlPlane` gRPC API over the store.
 //! - [`discovery`]: `RoutingDiscovery.WatchRoutingTable`, xDS-style push with nonces, ACK/NACK and
 //!   per-node rollout status.
+//! - [`rpc_layer`]: a tower layer around every gRPC call: per-method metrics, and the caller's W3C
+//!   trace context made current, so the service methods' spans join the caller's trace.
+//! - [`metrics`]: Prometheus text on `--metrics-listen` (RPCs by method and code, watch streams,
+//!   routing-table version, per-node applied version and lag).
 //!
 //! Invariants: every change that affects routing bumps the one routing-table version in the same
 //! sled transaction as the change and is flushed before the RPC returns; nothing is written before
 //! validation passes; the control plane is the only writer of its data dir (sled's file lock).
 
 pub mod discovery;
+pub mod metrics;
 pub mod model;
+pub mod rpc_layer;
 pub mod service;
 pub mod store;
 
@@ -44,6 +50,21 @@ pub struct Config {
     /// How often expired instance leases are looked for, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub lease_check_interval_ms: u64,
+    /// Address to serve Prometheus metrics on (`GET /metrics`), e.g. 127.0.0.1:7071. Default: off.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Logs and traces (used by the binary; `serve` ignores them).
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
+}
+
+/// What [`serve_with`] runs besides the gRPC API.
+#[derive(Debug)]
+pub struct ServeOptions {
+    /// How often expired instance leases are looked for.
+    pub lease_check_interval: Duration,
+    /// Where to serve `GET /metrics`, if anywhere.
+    pub metrics_listener: Option<TcpListener>,
 }
 
 /// Opens the store, with an error that names the data dir.
@@ -60,8 +81,16 @@ pub async fn serve(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
+        ),
+        None => None,
+    };
     let store = open_store(&config.data_dir)?;
-    serve_store(listener, store, Duration::from_millis(config.lease_check_interval_ms), shutdown).await
+    let options =
+        ServeOptions { lease_check_interval: Duration::from_millis(config.lease_check_interval_ms), metrics_listener };
+    serve_with(listener, store, options, shutdown).await
 }
 
 /// Like [`serve`], with a store the caller opened (embedded use, e.g. `prefixctl up`).
@@ -71,10 +100,31 @@ pub async fn serve_store(
     lease_check_interval: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_with(listener, store, ServeOptions { lease_check_interval, metrics_listener: None }, shutdown).await
+}
+
+/// Like [`serve_store`], with every option (e.g. a metrics listener).
+pub async fn serve_with(
+    listener: TcpListener,
+    store: Arc<Store>,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let nodes = Arc::new(NodeRegistry::default());
+    let rpc_stats = Arc::new(metrics::RpcStats::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
-    let reaper = tokio::spawn(reap_leases(store.clone(), lease_check_interval, stop_rx.clone()));
+    let reaper = tokio::spawn(reap_leases(store.clone(), options.lease_check_interval, stop_rx.clone()));
+    let metrics_server = options.metrics_listener.map(|l| {
+        if let Ok(addr) = l.local_addr() {
+            tracing::info!(%addr, "serving Prometheus metrics on /metrics");
+        }
+        let source = metrics::MetricsSource { rpc: rpc_stats.clone(), nodes: nodes.clone(), store: store.clone() };
+        let mut stop = stop_rx.clone();
+        tokio::spawn(metrics::serve(l, source, async move {
+            let _ = stop.wait_for(|&s| s).await;
+        }))
+    });
 
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::v1::FILE_DESCRIPTOR_SET)
@@ -84,6 +134,7 @@ pub async fn serve_store(
     let local = listener.local_addr().ok();
     tracing::info!(listen = ?local, "control plane serving");
     let result = tonic::transport::Server::builder()
+        .layer(rpc_layer::RpcLayer::new(rpc_stats))
         .add_service(proto::control_plane_server::ControlPlaneServer::new(ControlPlaneService::new(
             store.clone(),
             nodes.clone(),
@@ -101,6 +152,9 @@ pub async fn serve_store(
         })
         .await;
     reaper.abort();
+    if let Some(m) = metrics_server {
+        m.abort();
+    }
     let flushed = store.flush();
     result.context("gRPC server failed")?;
     flushed.context("flushing the store")?;

@@ -1,9 +1,15 @@
 //! `ControlPlane` gRPC service: maps requests onto [`Store`] calls and store errors onto gRPC
 //! codes. sled is synchronous, so each call runs on the blocking pool.
+//!
+//! Each method has a span (`prefixrouter.v1.ControlPlane/Method`) with the names it was called
+//! with and, for writes, the routing-table version after the call; [`crate::rpc_layer`] makes the
+//! caller's trace its parent. Numbers are recorded as `i64`: `tracing-opentelemetry` exports
+//! other integer types as strings.
 
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
+use tracing::field::Empty;
 
 use proto::control_plane_server::ControlPlane;
 use proto::*;
@@ -30,7 +36,28 @@ impl ControlPlaneService {
         tokio::task::spawn_blocking(move || f(&store))
             .await
             .map_err(|e| Status::internal(format!("control plane task failed: {e}")))?
-            .map_err(to_status)
+            .map_err(|e| {
+                let status = to_status(e);
+                let span = tracing::Span::current();
+                if !span.is_disabled() {
+                    span.record("otel.status_code", "error");
+                    span.record("rpc.grpc.status_code", status.code() as i64);
+                }
+                status
+            })
+    }
+
+    /// The routing-table version now published, for writes whose store call does not return it.
+    fn published_version(&self) -> u64 {
+        self.store.published().version
+    }
+}
+
+/// Records `routing_table_version` on the current (method) span.
+fn record_version(version: u64) {
+    let span = tracing::Span::current();
+    if !span.is_disabled() {
+        span.record("routing_table_version", version as i64);
     }
 }
 
@@ -51,6 +78,11 @@ pub fn to_status(e: StoreError) -> Status {
 
 #[tonic::async_trait]
 impl ControlPlane for ControlPlaneService {
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/CreateEndpointConfig",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint_config = %request.get_ref().endpoint_config_name, variants = request.get_ref().production_variants.len() as i64, revision = Empty)
+    )]
     async fn create_endpoint_config(
         &self,
         request: Request<CreateEndpointConfigRequest>,
@@ -58,9 +90,15 @@ impl ControlPlane for ControlPlaneService {
         let r = request.into_inner();
         let config =
             self.blocking(move |s| s.create_config(&r.endpoint_config_name, &r.production_variants)).await?;
+        tracing::Span::current().record("revision", config.revision as i64);
         Ok(Response::new(CreateEndpointConfigResponse { endpoint_config: Some(config) }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/UpdateEndpointConfig",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint_config = %request.get_ref().endpoint_config_name, variants = request.get_ref().production_variants.len() as i64, revision = Empty, routing_table_version = Empty)
+    )]
     async fn update_endpoint_config(
         &self,
         request: Request<UpdateEndpointConfigRequest>,
@@ -69,6 +107,8 @@ impl ControlPlane for ControlPlaneService {
         let (config, version) = self
             .blocking(move |s| s.update_config(&r.endpoint_config_name, &r.production_variants, r.expected_revision))
             .await?;
+        tracing::Span::current().record("revision", config.revision as i64);
+        record_version(version);
         tracing::info!(
             endpoint_config = %config.endpoint_config_name,
             revision = config.revision,
@@ -78,6 +118,11 @@ impl ControlPlane for ControlPlaneService {
         Ok(Response::new(UpdateEndpointConfigResponse { endpoint_config: Some(config), routing_table_version: version }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/DescribeEndpointConfig",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint_config = %request.get_ref().endpoint_config_name)
+    )]
     async fn describe_endpoint_config(
         &self,
         request: Request<DescribeEndpointConfigRequest>,
@@ -92,6 +137,11 @@ impl ControlPlane for ControlPlaneService {
         }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/ListEndpointConfigs",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty)
+    )]
     async fn list_endpoint_configs(
         &self,
         _request: Request<ListEndpointConfigsRequest>,
@@ -100,6 +150,11 @@ impl ControlPlane for ControlPlaneService {
         Ok(Response::new(ListEndpointConfigsResponse { endpoint_configs: configs }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/DeleteEndpointConfig",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint_config = %request.get_ref().endpoint_config_name)
+    )]
     async fn delete_endpoint_config(
         &self,
         request: Request<DeleteEndpointConfigRequest>,
@@ -109,30 +164,48 @@ impl ControlPlane for ControlPlaneService {
         Ok(Response::new(DeleteEndpointConfigResponse {}))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/CreateEndpoint",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint = %request.get_ref().endpoint_name, endpoint_config = %request.get_ref().endpoint_config_name, routing_table_version = Empty)
+    )]
     async fn create_endpoint(
         &self,
         request: Request<CreateEndpointRequest>,
     ) -> Result<Response<CreateEndpointResponse>, Status> {
         let r = request.into_inner();
         let endpoint = self.blocking(move |s| s.create_endpoint(&r.endpoint_name, &r.endpoint_config_name)).await?;
+        record_version(endpoint.routing_table_version);
         Ok(Response::new(CreateEndpointResponse { endpoint: Some(endpoint) }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/UpdateEndpoint",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint = %request.get_ref().endpoint_name, endpoint_config = %request.get_ref().endpoint_config_name, routing_table_version = Empty)
+    )]
     async fn update_endpoint(
         &self,
         request: Request<UpdateEndpointRequest>,
     ) -> Result<Response<UpdateEndpointResponse>, Status> {
         let r = request.into_inner();
         let endpoint = self.blocking(move |s| s.update_endpoint(&r.endpoint_name, &r.endpoint_config_name)).await?;
+        record_version(endpoint.routing_table_version);
         Ok(Response::new(UpdateEndpointResponse { endpoint: Some(endpoint) }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/DescribeEndpoint",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint = %request.get_ref().endpoint_name, routing_table_version = Empty)
+    )]
     async fn describe_endpoint(
         &self,
         request: Request<DescribeEndpointRequest>,
     ) -> Result<Response<DescribeEndpointResponse>, Status> {
         let r = request.into_inner();
         let view = self.blocking(move |s| s.describe_endpoint(&r.endpoint_name)).await?;
+        record_version(view.current_version);
         let endpoint_version = view.endpoint.routing_table_version;
         let data_planes = self
             .nodes
@@ -156,6 +229,11 @@ impl ControlPlane for ControlPlaneService {
         }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/ListEndpoints",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty)
+    )]
     async fn list_endpoints(
         &self,
         _request: Request<ListEndpointsRequest>,
@@ -164,15 +242,26 @@ impl ControlPlane for ControlPlaneService {
         Ok(Response::new(ListEndpointsResponse { endpoints }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/DeleteEndpoint",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint = %request.get_ref().endpoint_name, routing_table_version = Empty)
+    )]
     async fn delete_endpoint(
         &self,
         request: Request<DeleteEndpointRequest>,
     ) -> Result<Response<DeleteEndpointResponse>, Status> {
         let r = request.into_inner();
         self.blocking(move |s| s.delete_endpoint(&r.endpoint_name)).await?;
+        record_version(self.published_version());
         Ok(Response::new(DeleteEndpointResponse {}))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/RegisterInstance",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, endpoint = %request.get_ref().endpoint_name, variant = %request.get_ref().variant_name, address = %request.get_ref().address, instance_id = Empty, routing_table_version = Empty)
+    )]
     async fn register_instance(
         &self,
         request: Request<RegisterInstanceRequest>,
@@ -181,9 +270,16 @@ impl ControlPlane for ControlPlaneService {
         let instance = self
             .blocking(move |s| s.register_instance(&r.endpoint_name, &r.variant_name, &r.address, r.lease_ttl_seconds))
             .await?;
+        tracing::Span::current().record("instance_id", instance.instance_id.as_str());
+        record_version(self.published_version());
         Ok(Response::new(RegisterInstanceResponse { instance: Some(instance) }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/RenewInstanceLease",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, instance_id = %request.get_ref().instance_id)
+    )]
     async fn renew_instance_lease(
         &self,
         request: Request<RenewInstanceLeaseRequest>,
@@ -193,12 +289,18 @@ impl ControlPlane for ControlPlaneService {
         Ok(Response::new(RenewInstanceLeaseResponse { instance: Some(instance) }))
     }
 
+    #[tracing::instrument(
+        name = "prefixrouter.v1.ControlPlane/DeregisterInstance",
+        skip_all,
+        fields(otel.kind = "server", rpc.system = "grpc", rpc.service = "prefixrouter.v1.ControlPlane", rpc.grpc.status_code = Empty, otel.status_code = Empty, instance_id = %request.get_ref().instance_id, routing_table_version = Empty)
+    )]
     async fn deregister_instance(
         &self,
         request: Request<DeregisterInstanceRequest>,
     ) -> Result<Response<DeregisterInstanceResponse>, Status> {
         let r = request.into_inner();
         self.blocking(move |s| s.deregister_instance(&r.instance_id)).await?;
+        record_version(self.published_version());
         Ok(Response::new(DeregisterInstanceResponse {}))
     }
 }

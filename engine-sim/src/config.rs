@@ -81,6 +81,10 @@ pub struct Config {
     /// Largest request body accepted, in bytes; larger bodies get HTTP 413.
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
+
+    /// Logs and traces (used by the binary; `serve` ignores them).
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
 }
 
 impl Default for Config {

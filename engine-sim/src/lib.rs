@@ -11,8 +11,8 @@
 //! - [`engine`]: the timing model (admission, prefill lane, decode steps) and counters
 //!   ([`Engine`], [`Stats`]).
 //! - `metrics`: Prometheus exposition with vLLM's metric names.
-//! - `openai`: response bodies and SSE framing; `server`: HTTP routes and graceful shutdown
-//!   ([`serve`], [`serve_engine`]).
+//! - `openai`: response bodies and SSE framing; `server`: HTTP routes, graceful shutdown and the
+//!   `completion` / `queue` / `prefill` / `decode` spans ([`serve`], [`serve_engine`]).
 //!
 //! Invariants:
 //! - Nothing is persisted: all state is in memory and dies with the engine.

@@ -1,20 +1,13 @@
-//! The `engine-sim` binary: flags, logging, listening socket, signals. All else is the library.
+//! The `engine-sim` binary: flags, logs (and traces) via `telemetry`, listening socket, signals.
+//! All else is the library.
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use engine_sim::Config;
-use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let config = Config::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -29,6 +22,9 @@ fn main() -> ExitCode {
 }
 
 async fn run(config: Config) -> ExitCode {
+    // Inside the runtime: the trace exporter's connection lives on it. Dropped (flushing the
+    // last spans) before the runtime is.
+    let _telemetry = config.telemetry.init("engine-sim");
     let listener = match tokio::net::TcpListener::bind(&config.listen).await {
         Ok(l) => l,
         Err(e) => {

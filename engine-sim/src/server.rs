@@ -1,4 +1,11 @@
 //! The HTTP/1 server: routes, body limits, errors, streaming, graceful shutdown.
+//!
+//! Tracing: a completion is a `completion` span (parented by the caller's W3C `traceparent`) with
+//! children `queue` (waiting for a running slot), `prefill` (until the first token: the shared
+//! prefill lane for the uncached tokens, then the first-token overhead; with prompt, cached and
+//! uncached token counts) and `decode` (the remaining tokens). With trace export off they are
+//! disabled spans and no header is read for them. Numbers are recorded as `i64`:
+//! `tracing-opentelemetry` exports other integer types as strings.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -19,7 +26,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tracing::field::Empty;
+use tracing::{debug, warn, Span};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine::Engine;
@@ -253,10 +261,65 @@ async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Respon
     }
 }
 
+/// [`completion_traced`] inside its `completion` span.
 async fn completion(
     engine: &Arc<Engine>,
     kind: ApiKind,
     req: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let span = tracing::info_span!(
+        "completion",
+        otel.kind = "server",
+        api = match kind {
+            ApiKind::Chat => "chat",
+            ApiKind::Completions => "completions",
+        },
+        stream = Empty,
+        prompt_tokens = Empty,
+        cached_tokens = Empty,
+        completion_tokens = Empty,
+        status = Empty,
+        otel.status_code = Empty,
+    );
+    if span.is_disabled() {
+        return completion_traced(engine, kind, req, span).await;
+    }
+    telemetry::propagation::set_parent_from_headers(&span, req.headers());
+    let response = completion_traced(engine, kind, req, span.clone()).await;
+    span.record("status", i64::from(response.status().as_u16()));
+    if !response.status().is_success() {
+        span.record("otel.status_code", "error");
+    }
+    response
+}
+
+/// The `queue` span: created when the request starts waiting for a running slot.
+fn queue_span(parent: &Span) -> Span {
+    tracing::info_span!(parent: parent, "queue")
+}
+
+/// The `prefill` span of an admitted request, with its token counts (also recorded on the
+/// request's span).
+fn prefill_span(parent: &Span, seq: &crate::engine::Sequence) -> Span {
+    if parent.is_disabled() {
+        return Span::none();
+    }
+    parent.record("prompt_tokens", seq.prompt_tokens() as i64);
+    parent.record("cached_tokens", seq.cached_tokens() as i64);
+    tracing::info_span!(
+        parent: parent,
+        "prefill",
+        prompt_tokens = seq.prompt_tokens() as i64,
+        cached_tokens = seq.cached_tokens() as i64,
+        uncached_tokens = seq.prompt_tokens().saturating_sub(seq.cached_tokens()) as i64,
+    )
+}
+
+async fn completion_traced(
+    engine: &Arc<Engine>,
+    kind: ApiKind,
+    req: Request<Incoming>,
+    span: Span,
 ) -> Response<ResponseBody> {
     let n = engine.count_request();
     let config = engine.config();
@@ -341,15 +404,24 @@ async fn completion(
     };
     let filler_seed = xxh3_64_with_seed(&prompt.prompt_hash.to_le_bytes(), config.seed);
 
+    if !span.is_disabled() {
+        span.record("stream", params.stream);
+        span.record("completion_tokens", max_tokens as i64);
+    }
     if params.stream {
         let encoder = StreamEncoder::new(&meta);
         let (tx, rx) = mpsc::channel::<Bytes>(8);
         let engine = Arc::clone(engine);
         tokio::spawn(async move {
             let produce = async {
+                let queue = queue_span(&span);
                 let mut seq = engine.admit(prompt).await;
+                drop(queue);
                 let mut filler = Filler::new(filler_seed);
+                let prefill = prefill_span(&span, &seq);
                 seq.first_token().await;
+                drop(prefill);
+                let _decode = tracing::info_span!(parent: &span, "decode", tokens = max_tokens as i64);
                 if tx
                     .send(encoder.token(&mut filler, 0, max_tokens))
                     .await
@@ -398,11 +470,17 @@ async fn completion(
     }
 
     // Non-streaming: if the client goes away hyper drops this future, and `seq` with it.
+    let queue = queue_span(&span);
     let mut seq = engine.admit(prompt).await;
+    drop(queue);
+    let prefill = prefill_span(&span, &seq);
     seq.first_token().await;
+    drop(prefill);
+    let decode = tracing::info_span!(parent: &span, "decode", tokens = max_tokens as i64);
     if max_tokens > 1 {
         seq.next_tokens(max_tokens - 1).await;
     }
+    drop(decode);
     let text = Filler::new(filler_seed).text(max_tokens);
     if let Some(mut h) = output_hasher {
         h.update(text.as_bytes());

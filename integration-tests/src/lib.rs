@@ -15,6 +15,8 @@ use tonic::transport::Channel;
 pub struct InProcessControlPlane {
     pub addr: SocketAddr,
     pub url: String,
+    /// Where `GET /metrics` is served, when started with [`Self::start_with_metrics`].
+    pub metrics_addr: Option<SocketAddr>,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -25,14 +27,40 @@ impl InProcessControlPlane {
     }
 
     pub async fn start_with_lease_check(data_dir: &Path, lease_check: Duration) -> Self {
+        Self::start_with(data_dir, lease_check, false).await
+    }
+
+    /// Also serves Prometheus metrics (`--metrics-listen`) on a loopback port.
+    pub async fn start_with_metrics(data_dir: &Path) -> Self {
+        Self::start_with(data_dir, Duration::from_millis(1000), true).await
+    }
+
+    async fn start_with(data_dir: &Path, lease_check: Duration, metrics: bool) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
         let addr = listener.local_addr().unwrap();
+        let metrics_listener =
+            if metrics { Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback")) } else { None };
+        let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
         let store = control_plane::open_store(data_dir).expect("open store");
         let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(control_plane::serve_store(listener, store, lease_check, async move {
+        let options = control_plane::ServeOptions { lease_check_interval: lease_check, metrics_listener };
+        let handle = tokio::spawn(control_plane::serve_with(listener, store, options, async move {
             let _ = rx.await;
         }));
-        Self { addr, url: format!("http://{addr}"), shutdown: Some(tx), handle: Some(handle) }
+        Self { addr, url: format!("http://{addr}"), metrics_addr, shutdown: Some(tx), handle: Some(handle) }
+    }
+
+    /// `GET /metrics` as text (panics unless started with [`Self::start_with_metrics`]).
+    pub async fn metrics(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.metrics_addr.expect("started with metrics");
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect to the metrics port");
+        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: cp\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).await.unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        body.to_string()
     }
 
     pub async fn client(&self) -> ControlPlaneClient<Channel> {

@@ -326,6 +326,60 @@ async fn watcher_gets_current_table_then_each_version_and_reports_rollout() {
 }
 
 #[tokio::test]
+async fn metrics_report_rpcs_watchers_and_each_nodes_lag() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = InProcessControlPlane::start_with_metrics(dir.path()).await;
+    let mut c = cp.client().await;
+    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    let ep = create_endpoint(&mut c, "ep", "cfg").await;
+    let again = c
+        .create_endpoint(CreateEndpointRequest { endpoint_name: "ep".into(), endpoint_config_name: "cfg".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists);
+
+    // A node that has the table but has not answered yet is a whole version behind.
+    let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
+    let (resp, _) = w.next().await;
+    let current = ep.routing_table_version;
+    let text = cp.metrics().await;
+    let rpc = |method: &str, code: &str| {
+        format!(
+            "prefix_router_control_plane_rpc_requests_total{{service=\"prefixrouter.v1.ControlPlane\",method=\"{method}\",code=\"{code}\"}} 1\n"
+        )
+    };
+    for (method, code) in [("CreateEndpointConfig", "OK"), ("CreateEndpoint", "OK"), ("CreateEndpoint", "AlreadyExists")] {
+        assert!(text.contains(&rpc(method, code)), "no {method} {code} in:\n{text}");
+    }
+    assert!(text.contains("prefix_router_control_plane_rpc_duration_seconds_count{service=\"prefixrouter.v1.ControlPlane\",method=\"CreateEndpoint\",code=\"OK\"} 1\n"), "{text}");
+    assert!(text.contains(&format!("prefix_router_control_plane_routing_table_version {current}\n")), "{text}");
+    assert!(text.contains("prefix_router_control_plane_watch_streams 1\n"), "{text}");
+    assert!(text.contains(&format!("prefix_router_control_plane_node_version_lag{{node_id=\"router-1\"}} {current}\n")), "{text}");
+    assert!(text.contains("prefix_router_control_plane_node_connected{node_id=\"router-1\"} 1\n"), "{text}");
+
+    // After its ACK it is up to date; after a new version, one behind again.
+    w.reply(&resp, "").await;
+    wait_for("the ACK in the metrics", Duration::from_secs(5), || async {
+        let text = cp.metrics().await;
+        text.contains("prefix_router_control_plane_node_version_lag{node_id=\"router-1\"} 0\n").then_some(())
+    })
+    .await;
+    let text = cp.metrics().await;
+    assert!(text.contains(&format!("prefix_router_control_plane_node_applied_version{{node_id=\"router-1\"}} {current}\n")), "{text}");
+    update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::PrefixAware, &[A])], None).await.unwrap();
+    let text = cp.metrics().await;
+    assert!(text.contains("prefix_router_control_plane_node_version_lag{node_id=\"router-1\"} 1\n"), "{text}");
+
+    // A dropped watcher is no longer connected.
+    drop(w);
+    wait_for("the watcher gone from the metrics", Duration::from_secs(5), || async {
+        cp.metrics().await.contains("prefix_router_control_plane_watch_streams 0\n").then_some(())
+    })
+    .await;
+    cp.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn reconnect_with_current_version_gets_no_resend() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;

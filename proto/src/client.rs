@@ -2,7 +2,8 @@
 //!
 //! [`Client`] wraps the generated tonic clients ([`ControlPlaneClient`], [`RoutingDiscoveryClient`])
 //! over one HTTP/2 connection. It connects eagerly with a timeout (so a control plane that is down
-//! is reported once, as [`Error::Unreachable`]), sends an optional bearer token with every call,
+//! is reported once, as [`Error::Unreachable`]), sends an optional bearer token and the caller's
+//! W3C trace context with every call ([`CallMetadata`]),
 //! gives each RPC a typed method that unwraps the response into the values it carries, and maps
 //! every failure into [`Error`], which keeps the gRPC code and the server's message as sent.
 //!
@@ -123,14 +124,21 @@ impl Default for ClientOptions {
     }
 }
 
-/// Adds `authorization: Bearer ...` to every request when a token is set.
+/// The metadata added to every call: `authorization: Bearer ...` when a token is set, and the
+/// caller's trace context (W3C `traceparent`, `tracestate`) when a trace is active, so the control
+/// plane's spans join the caller's trace. The context is the current OpenTelemetry context,
+/// written by the globally installed propagator (`telemetry::init` installs W3C TraceContext;
+/// without one nothing is added).
 #[derive(Debug, Clone, Default)]
-pub struct BearerAuth {
+pub struct CallMetadata {
     header: Option<MetadataValue<Ascii>>,
 }
 
-impl BearerAuth {
-    /// `None` sends no header. Fails if the token cannot be a header value.
+/// The former name of [`CallMetadata`].
+pub type BearerAuth = CallMetadata;
+
+impl CallMetadata {
+    /// `None` sends no `authorization` header. Fails if the token cannot be a header value.
     pub fn new(token: Option<&str>) -> Result<Self, Error> {
         let header = token
             .map(|t| {
@@ -141,19 +149,39 @@ impl BearerAuth {
     }
 }
 
-impl tonic::service::Interceptor for BearerAuth {
+impl tonic::service::Interceptor for CallMetadata {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         if let Some(h) = &self.header {
             request.metadata_mut().insert("authorization", h.clone());
         }
+        inject_trace_context(request.metadata_mut());
         Ok(request)
     }
 }
 
-/// The generated control-plane client with the bearer-token interceptor.
-pub type ControlPlaneGrpc = ControlPlaneClient<InterceptedService<Channel, BearerAuth>>;
-/// The generated routing-discovery client with the bearer-token interceptor.
-pub type RoutingDiscoveryGrpc = RoutingDiscoveryClient<InterceptedService<Channel, BearerAuth>>;
+/// Writes the current OpenTelemetry context into gRPC metadata (no-op when no span is active).
+fn inject_trace_context(metadata: &mut tonic::metadata::MetadataMap) {
+    use opentelemetry::trace::TraceContextExt as _;
+    struct MetadataInjector<'a>(&'a mut tonic::metadata::MetadataMap);
+    impl opentelemetry::propagation::Injector for MetadataInjector<'_> {
+        fn set(&mut self, key: &str, value: String) {
+            if let (Ok(key), Ok(value)) =
+                (tonic::metadata::MetadataKey::from_bytes(key.as_bytes()), MetadataValue::try_from(value.as_str()))
+            {
+                self.0.insert(key, value);
+            }
+        }
+    }
+    let cx = opentelemetry::Context::current();
+    if cx.span().span_context().is_valid() {
+        opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MetadataInjector(metadata)));
+    }
+}
+
+/// The generated control-plane client with the [`CallMetadata`] interceptor.
+pub type ControlPlaneGrpc = ControlPlaneClient<InterceptedService<Channel, CallMetadata>>;
+/// The generated routing-discovery client with the [`CallMetadata`] interceptor.
+pub type RoutingDiscoveryGrpc = RoutingDiscoveryClient<InterceptedService<Channel, CallMetadata>>;
 
 /// `DescribeEndpointConfig`'s answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -216,7 +244,7 @@ impl Client {
             .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true);
         let channel = endpoint.connect().await.map_err(|e| Error::Unreachable { url: url.clone(), cause: error_chain(&e) })?;
-        let auth = BearerAuth::new(options.bearer_token.as_deref())?;
+        let auth = CallMetadata::new(options.bearer_token.as_deref())?;
         Ok(Self {
             control_plane: ControlPlaneClient::with_interceptor(channel.clone(), auth.clone()),
             discovery: RoutingDiscoveryClient::with_interceptor(channel, auth),
@@ -599,6 +627,28 @@ mod tests {
         let mut none = BearerAuth::new(None).unwrap();
         assert!(none.call(Request::new(())).unwrap().metadata().get("authorization").is_none());
         assert!(BearerAuth::new(Some("bad\ntoken")).is_err());
+    }
+
+    #[test]
+    fn trace_context_is_carried_when_a_trace_is_active() {
+        use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState};
+        use tonic::service::Interceptor;
+        opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
+        let mut metadata = CallMetadata::new(None).unwrap();
+        assert!(metadata.call(Request::new(())).unwrap().metadata().get("traceparent").is_none(), "no active trace");
+
+        let trace_id = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
+        let span_id = SpanId::from_hex("00f067aa0ba902b7").unwrap();
+        let cx = opentelemetry::Context::new().with_remote_span_context(SpanContext::new(
+            trace_id,
+            span_id,
+            TraceFlags::SAMPLED,
+            true,
+            TraceState::default(),
+        ));
+        let _active = cx.attach();
+        let req = metadata.call(Request::new(())).unwrap();
+        assert_eq!(req.metadata().get("traceparent").unwrap(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
     }
 
     #[tokio::test]

@@ -27,6 +27,7 @@ pub struct FleetSpec {
     pub strategy: RoutingStrategy,
     pub prefix_length: u32,
     pub concurrency_threshold: u32,
+    pub hash_balance_factor: Option<u32>,
     pub kv_capacity_tokens: u64,
     pub time_scale: f64,
     pub seed: u64,
@@ -130,17 +131,16 @@ impl Fleet {
             .context("creating the bench endpoint")?;
         for r in 0..spec.routers {
             let (l, url) = bind().await?;
-            let config = data_plane::Config::try_parse_from([
-                "data-plane",
-                "--listen",
-                "127.0.0.1:0",
-                "--control-plane",
-                cp_url.as_str(),
-                "--node-id",
-                &format!("bench-router-{r}"),
-                "--default-endpoint",
-                ENDPOINT,
-            ])?;
+            let mut config = data_plane::Config {
+                control_plane: cp_url.clone(),
+                node_id: Some(format!("bench-router-{r}")),
+                default_endpoint: Some(ENDPOINT.into()),
+                ..data_plane::Config::default()
+            };
+            if let Some(f) = spec.hash_balance_factor {
+                anyhow::ensure!((100..=1000).contains(&f), "invalid --hash-balance-factor {f}: must be 100..=1000");
+                config.hash_balance_factor = f;
+            }
             fleet.routers.push(spawn_server(url, move |rx| {
                 data_plane::serve(l, config, async move {
                     let _ = rx.await;

@@ -62,6 +62,9 @@ pub struct BenchArgs {
     /// PREFIX_AWARE concurrency_threshold.
     #[arg(long, default_value_t = 64)]
     pub concurrency_threshold: u32,
+    /// Routers' bounded-load factor in percent (data-plane --hash-balance-factor; default: the router's).
+    #[arg(long)]
+    pub hash_balance_factor: Option<u32>,
     /// Write the results as JSON here.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
@@ -135,6 +138,7 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         strategy,
         prefix_length: args.prefix_length.unwrap_or(workload.prefix_length),
         concurrency_threshold: args.concurrency_threshold,
+        hash_balance_factor: args.hash_balance_factor,
         kv_capacity_tokens: workload.kv_capacity_tokens,
         time_scale: args.time_scale,
         seed: args.seed,
@@ -419,6 +423,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         seed: args.seed,
         prefix_length: None,
         concurrency_threshold: 64,
+        hash_balance_factor: None,
         out: None,
         plot: None,
         markdown: None,

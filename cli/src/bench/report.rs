@@ -141,6 +141,7 @@ impl BenchReport {
             "seed": args.seed,
             "prefix_length": args.prefix_length.unwrap_or(workload.prefix_length),
             "concurrency_threshold": args.concurrency_threshold,
+            "hash_balance_factor": args.hash_balance_factor,
             "workload": workload,
             "date": today(),
         });
