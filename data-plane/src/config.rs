@@ -43,8 +43,7 @@ pub struct Config {
     pub prefix_index_capacity: usize,
 
     /// Bounded-load factor in percent: an instance takes a key only while its in-flight count is
-    /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1; above the mean, a growing
-    /// fraction of whole keys (the same ones on every replica) already move to their next choice.
+    /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1.
     #[arg(long, default_value_t = 150, value_parser = clap::value_parser!(u32).range(100..=1000))]
     pub hash_balance_factor: u32,
 

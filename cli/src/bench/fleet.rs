@@ -270,9 +270,6 @@ impl Fleet {
         Ok(out)
     }
 
-    pub fn engine_urls(&self) -> Vec<String> {
-        self.engines.iter().map(|e| e.url.clone()).collect()
-    }
 
     /// The routers' routing-decision histograms, merged.
     pub async fn decision_histogram(&self) -> anyhow::Result<Histogram> {

@@ -247,7 +247,7 @@ async fn run_strategy(
     let measured: Vec<&Sample> = samples.iter().filter(|s| s.done >= measure_from && s.done <= stop_at).collect();
     let window = end.at.min(stop_at).saturating_duration_since(begin.at).max(Duration::from_millis(1));
     let autoscale_report = match autoscale {
-        Some(a) => Some(a.finish(&fleet, &samples, &end).await?),
+        Some(a) => Some(a.finish(&samples)?),
         None => None,
     };
     let result = StrategyResult::compute(
@@ -258,7 +258,6 @@ async fn run_strategy(
         &end.engines,
         window,
         &end_hist.since(&begin_hist),
-        fleet.engine_urls(),
         autoscale_report,
     );
     fleet.stop().await;
@@ -313,7 +312,7 @@ impl AutoscaleRun {
         Ok(())
     }
 
-    async fn finish(self, _fleet: &Fleet, samples: &[Sample], _end: &Snapshot) -> anyhow::Result<AutoscaleReport> {
+    fn finish(self, samples: &[Sample]) -> anyhow::Result<AutoscaleReport> {
         let (added_at, added_url) = self.added.clone().context("the run ended before an instance was added")?;
         let (removed_at, removed_url) = self.removed.clone().context("the run ended before an instance was removed")?;
         let mean = |from: Instant, to: Instant| {
@@ -475,7 +474,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     while snaps.len() < marks.len() {
         snaps.push(snapshot(&fleet).await?);
     }
-    let urls = fleet.engine_urls();
     let half_result = |strategy, from: &Snapshot, to: &Snapshot| {
         let measured: Vec<&Sample> = samples.iter().filter(|s| s.done >= from.at && s.done <= to.at).collect();
         StrategyResult::compute(
@@ -486,7 +484,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             &to.engines,
             to.at - from.at,
             &metrics::Histogram::default(),
-            urls.clone(),
             None,
         )
     };

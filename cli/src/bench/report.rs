@@ -78,7 +78,6 @@ impl StrategyResult {
         end: &[EngineCounters],
         window: Duration,
         decisions: &Histogram,
-        _engine_urls: Vec<String>,
         autoscale: Option<AutoscaleReport>,
     ) -> Self {
         let ok: Vec<&&Sample> = measured.iter().filter(|s| s.error.is_none()).collect();
@@ -220,9 +219,17 @@ impl BenchReport {
         }
     }
 
+    /// The workload, and the number of routers when there are several: one Markdown section each.
+    fn section(&self) -> String {
+        match self.config["routers"].as_u64() {
+            Some(r) if r > 1 => format!("{} ({r} routers)", self.workload),
+            _ => self.workload.clone(),
+        }
+    }
+
     /// The Markdown section for this workload.
     pub fn markdown(&self, command: &str) -> String {
-        let mut s = format!("### {}\n\n_{}_ · `{}`\n\n", self.workload, today(), command);
+        let mut s = format!("### {}\n\n_{}_ · `{}`\n\n", self.section(), today(), command);
         s.push_str(&format!("| {} |\n", Self::HEADER.join(" | ")));
         s.push_str(&format!("|{}\n", "---|".repeat(Self::HEADER.len())));
         for r in self.rows() {
@@ -245,8 +252,8 @@ impl BenchReport {
 
     /// Replaces (or appends) this workload's section of `path`, between markers.
     pub fn update_markdown(&self, path: &std::path::Path, command: &str) -> anyhow::Result<()> {
-        let begin = format!("<!-- bench:{} -->", self.workload);
-        let end = format!("<!-- /bench:{} -->", self.workload);
+        let begin = format!("<!-- bench:{} -->", self.section());
+        let end = format!("<!-- /bench:{} -->", self.section());
         let old = match std::fs::read_to_string(path) {
             Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::from(
@@ -369,7 +376,7 @@ mod tests {
 
     #[test]
     fn figures_come_from_samples_and_engine_counters() {
-        let samples: Vec<Sample> = (1..=100).map(|i| sample(i)).collect();
+        let samples: Vec<Sample> = (1..=100).map(sample).collect();
         let refs: Vec<&Sample> = samples.iter().collect();
         let begin = vec![EngineCounters { queries: 100.0, hits: 0.0, requests: 10.0 }; 2];
         let end = vec![
@@ -384,7 +391,6 @@ mod tests {
             &end,
             Duration::from_secs(1),
             &Histogram::default(),
-            vec![],
             None,
         );
         assert_eq!(r.requests, 100);
@@ -394,6 +400,40 @@ mod tests {
         assert!((r.max_share_deviation - 0.1).abs() < 1e-9);
         assert!((r.throughput_rps - 10.0).abs() < 1e-9, "100 requests in 10 simulated seconds");
         assert!((r.max_load_ratio - 1.2).abs() < 1e-9);
+    }
+
+    fn report(workload: &str, routers: u64, p50: f64) -> BenchReport {
+        let samples: Vec<Sample> = (1..=10).map(|_| sample(p50 as u64)).collect();
+        let refs: Vec<&Sample> = samples.iter().collect();
+        let r = StrategyResult::compute(
+            RoutingStrategy::Random,
+            1.0,
+            &refs,
+            &[],
+            &[],
+            Duration::from_secs(1),
+            &Histogram::default(),
+            None,
+        );
+        BenchReport { workload: workload.into(), config: serde_json::json!({ "routers": routers }), results: vec![r] }
+    }
+
+    #[test]
+    fn markdown_sections_are_replaced_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("BENCHMARKS.md");
+        report("long-context", 1, 100.0).update_markdown(&path, "prefixctl bench a").unwrap();
+        report("sharegpt", 1, 200.0).update_markdown(&path, "prefixctl bench b").unwrap();
+        report("long-context", 4, 300.0).update_markdown(&path, "prefixctl bench c").unwrap();
+        report("long-context", 1, 400.0).update_markdown(&path, "prefixctl bench d").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.matches("<!-- bench:long-context -->").count(), 1);
+        assert_eq!(text.matches("<!-- bench:long-context (4 routers) -->").count(), 1);
+        assert!(text.contains("prefixctl bench d") && !text.contains("prefixctl bench a"), "{text}");
+        assert!(text.contains("| RANDOM | 10 | 0 | 400 |"), "{text}");
+        let order: Vec<usize> =
+            ["bench:long-context -->", "bench:sharegpt", "bench:long-context (4"].iter().map(|m| text.find(m).unwrap()).collect();
+        assert!(order[0] < order[1] && order[1] < order[2], "sections keep their places");
     }
 
     #[test]
