@@ -103,7 +103,9 @@ impl Command {
                 InstanceCommand::Renew(_) => "instance renew",
             },
             Command::RoutingTable(RoutingTableCommand::Watch(_)) => "routing-table watch",
-            Command::Up(_) | Command::Bench(_) | Command::Demo(_) | Command::Completions(_) => return None,
+            Command::Up(_) | Command::Bench(_) | Command::Demo(_) | Command::Completions(_) => {
+                return None
+            }
         })
     }
 }

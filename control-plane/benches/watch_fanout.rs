@@ -15,18 +15,26 @@ use proto::*;
 use tokio::sync::mpsc;
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn variants(round: usize) -> Vec<ProductionVariant> {
-    let instances = (0..7).map(|i| format!("http://127.0.0.1:{}", 20_000 + round * 10 + i)).collect();
+    let instances = (0..7)
+        .map(|i| format!("http://127.0.0.1:{}", 20_000 + round * 10 + i))
+        .collect();
     vec![ProductionVariant {
         variant_name: "v1".into(),
         model_name: "llama".into(),
         initial_variant_weight: Some(1.0),
         routing_config: Some(RoutingConfig {
             routing_strategy: RoutingStrategy::PrefixAware as i32,
-            prefix_aware_routing_config: Some(PrefixAwareRoutingConfig { prefix_length: 2048, concurrency_threshold: 64 }),
+            prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                prefix_length: 2048,
+                concurrency_threshold: 64,
+            }),
         }),
         instances,
     }]
@@ -48,15 +56,26 @@ async fn main() -> anyhow::Result<()> {
     let url = format!("http://{}", listener.local_addr()?);
     let store = control_plane::open_store(dir.path())?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(control_plane::serve_store(listener, store, Duration::from_secs(1), async move {
-        let _ = stop_rx.await;
-    }));
+    let server = tokio::spawn(control_plane::serve_store(
+        listener,
+        store,
+        Duration::from_secs(1),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
 
     let mut c = ControlPlaneClient::connect(url.clone()).await?;
-    c.create_endpoint_config(CreateEndpointConfigRequest { endpoint_config_name: "cfg".into(), production_variants: variants(0) })
-        .await?;
+    c.create_endpoint_config(CreateEndpointConfigRequest {
+        endpoint_config_name: "cfg".into(),
+        production_variants: variants(0),
+    })
+    .await?;
     let ep = c
-        .create_endpoint(CreateEndpointRequest { endpoint_name: "ep".into(), endpoint_config_name: "cfg".into() })
+        .create_endpoint(CreateEndpointRequest {
+            endpoint_name: "ep".into(),
+            endpoint_config_name: "cfg".into(),
+        })
         .await?
         .into_inner()
         .endpoint
@@ -70,9 +89,18 @@ async fn main() -> anyhow::Result<()> {
             let mut client = RoutingDiscoveryClient::connect(url).await.expect("connect");
             let (tx, rx) = mpsc::channel(4);
             let node_id = format!("router-{n}");
-            tx.send(WatchRoutingTableRequest { node_id: node_id.clone(), applied_version: 0, ..Default::default() }).await.unwrap();
-            let mut stream =
-                client.watch_routing_table(tokio_stream::wrappers::ReceiverStream::new(rx)).await.expect("watch").into_inner();
+            tx.send(WatchRoutingTableRequest {
+                node_id: node_id.clone(),
+                applied_version: 0,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let mut stream = client
+                .watch_routing_table(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .expect("watch")
+                .into_inner();
             while let Some(Ok(resp)) = stream.next().await {
                 let table = RoutingTable::decode(resp.routing_table.clone()).expect("decode");
                 let _ = seen.send((table.version, Instant::now()));
@@ -123,8 +151,13 @@ async fn main() -> anyhow::Result<()> {
     }
     from_send.sort();
     from_return.sort();
-    println!("watch_fanout: {watchers} watchers, {rounds} updates (7-instance PREFIX_AWARE variant)");
-    for (name, v) in [("from update sent", &from_send), ("from update returned", &from_return)] {
+    println!(
+        "watch_fanout: {watchers} watchers, {rounds} updates (7-instance PREFIX_AWARE variant)"
+    );
+    for (name, v) in [
+        ("from update sent", &from_send),
+        ("from update returned", &from_return),
+    ] {
         println!(
             "  {name:>22}: p50 {:>8.2} ms  p90 {:>8.2} ms  max {:>8.2} ms",
             pct(v, 0.5).as_secs_f64() * 1e3,

@@ -76,7 +76,8 @@ struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.nodes.update(&self.node_id, |s| s.streams = s.streams.saturating_sub(1));
+        self.nodes
+            .update(&self.node_id, |s| s.streams = s.streams.saturating_sub(1));
     }
 }
 
@@ -89,8 +90,16 @@ pub struct Discovery {
 impl Discovery {
     /// `shutdown` flips to true when the server stops: open streams then end, so graceful
     /// shutdown does not wait on them forever.
-    pub fn new(store: Arc<Store>, nodes: Arc<NodeRegistry>, shutdown: watch::Receiver<bool>) -> Self {
-        Self { store, nodes, shutdown }
+    pub fn new(
+        store: Arc<Store>,
+        nodes: Arc<NodeRegistry>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            store,
+            nodes,
+            shutdown,
+        }
     }
 }
 
@@ -143,12 +152,22 @@ impl Session {
             Ok(Ok(Some(m))) => m,
             Ok(Ok(None)) | Ok(Err(_)) => return,
             Err(_) => {
-                let _ = self.tx.send(Err(Status::deadline_exceeded("no first WatchRoutingTableRequest within 30 s"))).await;
+                let _ = self
+                    .tx
+                    .send(Err(Status::deadline_exceeded(
+                        "no first WatchRoutingTableRequest within 30 s",
+                    )))
+                    .await;
                 return;
             }
         };
         if first.node_id.is_empty() {
-            let _ = self.tx.send(Err(Status::invalid_argument("invalid node_id: must not be empty"))).await;
+            let _ = self
+                .tx
+                .send(Err(Status::invalid_argument(
+                    "invalid node_id: must not be empty",
+                )))
+                .await;
             return;
         }
         let node_id = first.node_id;
@@ -158,8 +177,15 @@ impl Session {
                 s.applied_version = first.applied_version;
             }
         });
-        let _guard = StreamGuard { nodes: self.nodes.clone(), node_id: node_id.clone() };
-        tracing::debug!(node_id, applied_version = first.applied_version, "watcher connected");
+        let _guard = StreamGuard {
+            nodes: self.nodes.clone(),
+            node_id: node_id.clone(),
+        };
+        tracing::debug!(
+            node_id,
+            applied_version = first.applied_version,
+            "watcher connected"
+        );
 
         let mut held = first.applied_version;
         loop {
@@ -196,15 +222,27 @@ impl Session {
             error = tracing::field::Empty,
             otel.status_code = tracing::field::Empty,
         );
-        if let Some(superseded) = self.pending.replace(Pending { nonce: nonce.clone(), version: table.version, span }) {
+        if let Some(superseded) = self.pending.replace(Pending {
+            nonce: nonce.clone(),
+            version: table.version,
+            span,
+        }) {
             superseded.span.record("result", "superseded");
         }
-        let response = WatchRoutingTableResponse { version: table.version, nonce, routing_table: table.encoded.clone() };
+        let response = WatchRoutingTableResponse {
+            version: table.version,
+            nonce,
+            routing_table: table.encoded.clone(),
+        };
         self.tx.send(Ok(response)).await.is_ok()
     }
 
     fn on_reply(&mut self, node_id: &str, reply: WatchRoutingTableRequest) {
-        let answered = self.pending.as_ref().filter(|p| p.nonce == reply.response_nonce).map(|p| p.version);
+        let answered = self
+            .pending
+            .as_ref()
+            .filter(|p| p.nonce == reply.response_nonce)
+            .map(|p| p.version);
         self.nodes.update(node_id, |s| match answered {
             Some(version) if reply.error_detail.is_empty() => {
                 s.applied_version = version;

@@ -39,7 +39,11 @@ use store::Store;
 
 /// Control-plane settings (also its command line).
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "control-plane", version, about = "prefix-router control plane: endpoint configs in sled, routing tables streamed to data planes over gRPC")]
+#[command(
+    name = "control-plane",
+    version,
+    about = "prefix-router control plane: endpoint configs in sled, routing tables streamed to data planes over gRPC"
+)]
 pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, default_value = "127.0.0.1:7070")]
@@ -69,8 +73,10 @@ pub struct ServeOptions {
 
 /// Opens the store, with an error that names the data dir.
 pub fn open_store(data_dir: &std::path::Path) -> anyhow::Result<Arc<Store>> {
-    std::fs::create_dir_all(data_dir).with_context(|| format!("cannot use data dir {}", data_dir.display()))?;
-    let store = Store::open(data_dir).with_context(|| format!("cannot open data dir {}", data_dir.display()))?;
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("cannot use data dir {}", data_dir.display()))?;
+    let store = Store::open(data_dir)
+        .with_context(|| format!("cannot open data dir {}", data_dir.display()))?;
     Ok(Arc::new(store))
 }
 
@@ -83,13 +89,17 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let metrics_listener = match config.metrics_listen {
         Some(addr) => Some(
-            TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
         ),
         None => None,
     };
     let store = open_store(&config.data_dir)?;
-    let options =
-        ServeOptions { lease_check_interval: Duration::from_millis(config.lease_check_interval_ms), metrics_listener };
+    let options = ServeOptions {
+        lease_check_interval: Duration::from_millis(config.lease_check_interval_ms),
+        metrics_listener,
+    };
     serve_with(listener, store, options, shutdown).await
 }
 
@@ -100,7 +110,16 @@ pub async fn serve_store(
     lease_check_interval: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    serve_with(listener, store, ServeOptions { lease_check_interval, metrics_listener: None }, shutdown).await
+    serve_with(
+        listener,
+        store,
+        ServeOptions {
+            lease_check_interval,
+            metrics_listener: None,
+        },
+        shutdown,
+    )
+    .await
 }
 
 /// Like [`serve_store`], with every option (e.g. a metrics listener).
@@ -114,12 +133,20 @@ pub async fn serve_with(
     let rpc_stats = Arc::new(metrics::RpcStats::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
-    let reaper = tokio::spawn(reap_leases(store.clone(), options.lease_check_interval, stop_rx.clone()));
+    let reaper = tokio::spawn(reap_leases(
+        store.clone(),
+        options.lease_check_interval,
+        stop_rx.clone(),
+    ));
     let metrics_server = options.metrics_listener.map(|l| {
         if let Ok(addr) = l.local_addr() {
             tracing::info!(%addr, "serving Prometheus metrics on /metrics");
         }
-        let source = metrics::MetricsSource { rpc: rpc_stats.clone(), nodes: nodes.clone(), store: store.clone() };
+        let source = metrics::MetricsSource {
+            rpc: rpc_stats.clone(),
+            nodes: nodes.clone(),
+            store: store.clone(),
+        };
         let mut stop = stop_rx.clone();
         tokio::spawn(metrics::serve(l, source, async move {
             let _ = stop.wait_for(|&s| s).await;
@@ -135,15 +162,16 @@ pub async fn serve_with(
     tracing::info!(listen = ?local, "control plane serving");
     let result = tonic::transport::Server::builder()
         .layer(rpc_layer::RpcLayer::new(rpc_stats))
-        .add_service(proto::control_plane_server::ControlPlaneServer::new(ControlPlaneService::new(
-            store.clone(),
-            nodes.clone(),
-        )))
-        .add_service(proto::routing_discovery_server::RoutingDiscoveryServer::new(Discovery::new(
-            store.clone(),
-            nodes,
-            stop_rx,
-        )))
+        .add_service(proto::control_plane_server::ControlPlaneServer::new(
+            ControlPlaneService::new(store.clone(), nodes.clone()),
+        ))
+        .add_service(
+            proto::routing_discovery_server::RoutingDiscoveryServer::new(Discovery::new(
+                store.clone(),
+                nodes,
+                stop_rx,
+            )),
+        )
         .add_service(reflection)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.await;
@@ -162,7 +190,11 @@ pub async fn serve_with(
     Ok(())
 }
 
-async fn reap_leases(store: Arc<Store>, every: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
+async fn reap_leases(
+    store: Arc<Store>,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

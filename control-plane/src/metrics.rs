@@ -23,7 +23,9 @@ use crate::discovery::NodeRegistry;
 use crate::store::Store;
 
 /// Upper bounds of the RPC latency buckets, in seconds.
-const BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 /// Calls and latencies of one (service, method, code).
 #[derive(Debug, Default, Clone)]
@@ -46,13 +48,19 @@ impl RpcStats {
     /// `method="unknown"`, so clients cannot grow the label set.
     pub fn record(&self, path: &str, code: tonic::Code, elapsed: Duration) {
         let (service, method) = match path.strip_prefix('/').and_then(|p| p.split_once('/')) {
-            Some((s, m)) if code != tonic::Code::Unimplemented && !m.is_empty() && !m.contains('/') => (s, m),
+            Some((s, m))
+                if code != tonic::Code::Unimplemented && !m.is_empty() && !m.contains('/') =>
+            {
+                (s, m)
+            }
             _ => ("unknown", "unknown"),
         };
         let secs = elapsed.as_secs_f64();
         let bucket = BUCKETS.partition_point(|&b| b < secs);
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        let stats = calls.entry((service.to_string(), method.to_string(), code_label(code))).or_default();
+        let stats = calls
+            .entry((service.to_string(), method.to_string(), code_label(code)))
+            .or_default();
         stats.count += 1;
         stats.sum_seconds += secs;
         stats.buckets[bucket] += 1;
@@ -61,7 +69,11 @@ impl RpcStats {
     /// Calls recorded for `method` with `code`, for tests.
     pub fn count(&self, method: &str, code: tonic::Code) -> u64 {
         let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        calls.iter().filter(|((_, m, c), _)| m == method && *c == code_label(code)).map(|(_, s)| s.count).sum()
+        calls
+            .iter()
+            .filter(|((_, m, c), _)| m == method && *c == code_label(code))
+            .map(|(_, s)| s.count)
+            .sum()
     }
 }
 
@@ -139,14 +151,24 @@ impl MetricsSource {
         for (name, help, value) in per_node {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
             for (node_id, status) in &nodes {
-                let _ = writeln!(out, "{name}{{node_id=\"{}\"}} {}", escape(node_id), value(current, status));
+                let _ = writeln!(
+                    out,
+                    "{name}{{node_id=\"{}\"}} {}",
+                    escape(node_id),
+                    value(current, status)
+                );
             }
         }
         out
     }
 
     fn render_rpc(&self, out: &mut String) {
-        let calls = self.rpc.calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let calls = self
+            .rpc
+            .calls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         out.push_str(
             "# HELP prefix_router_control_plane_rpc_requests_total gRPC calls handled, by service, method and code.\n\
              # TYPE prefix_router_control_plane_rpc_requests_total counter\n",
@@ -178,16 +200,25 @@ impl MetricsSource {
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, value: u64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+    );
 }
 
 /// A label value with `\`, `"` and newlines escaped.
 fn escape(v: &str) -> String {
-    v.replace('\\', r"\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', r"\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Serves `GET /metrics` on `listener` until `shutdown` completes.
-pub async fn serve(listener: TcpListener, source: MetricsSource, shutdown: impl Future<Output = ()>) {
+pub async fn serve(
+    listener: TcpListener,
+    source: MetricsSource,
+    shutdown: impl Future<Output = ()>,
+) {
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -206,15 +237,22 @@ pub async fn serve(listener: TcpListener, source: MetricsSource, shutdown: impl 
             let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                 let response = match (req.method(), req.uri().path()) {
                     (&http::Method::GET, "/metrics") => http::Response::builder()
-                        .header(http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")
+                        .header(
+                            http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )
                         .body(Full::new(Bytes::from(source.render()))),
                     _ => http::Response::builder()
                         .status(http::StatusCode::NOT_FOUND)
-                        .body(Full::new(Bytes::from_static(b"not found: this port serves GET /metrics\n"))),
+                        .body(Full::new(Bytes::from_static(
+                            b"not found: this port serves GET /metrics\n",
+                        ))),
                 };
                 std::future::ready(Ok::<_, Infallible>(response.unwrap_or_default()))
             });
-            let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
         });
     }
 }
@@ -226,9 +264,21 @@ mod tests {
     #[test]
     fn calls_are_labelled_by_method_and_code() {
         let rpc = RpcStats::default();
-        rpc.record("/prefixrouter.v1.ControlPlane/CreateEndpoint", tonic::Code::Ok, Duration::from_millis(3));
-        rpc.record("/prefixrouter.v1.ControlPlane/CreateEndpoint", tonic::Code::AlreadyExists, Duration::from_millis(1));
-        rpc.record("/prefixrouter.v1.ControlPlane/NoSuchMethod", tonic::Code::Unimplemented, Duration::ZERO);
+        rpc.record(
+            "/prefixrouter.v1.ControlPlane/CreateEndpoint",
+            tonic::Code::Ok,
+            Duration::from_millis(3),
+        );
+        rpc.record(
+            "/prefixrouter.v1.ControlPlane/CreateEndpoint",
+            tonic::Code::AlreadyExists,
+            Duration::from_millis(1),
+        );
+        rpc.record(
+            "/prefixrouter.v1.ControlPlane/NoSuchMethod",
+            tonic::Code::Unimplemented,
+            Duration::ZERO,
+        );
         rpc.record("garbage", tonic::Code::Unimplemented, Duration::ZERO);
         assert_eq!(rpc.count("CreateEndpoint", tonic::Code::Ok), 1);
         assert_eq!(rpc.count("CreateEndpoint", tonic::Code::AlreadyExists), 1);
@@ -246,8 +296,14 @@ mod tests {
         ), "{text}");
         assert!(text.contains("prefix_router_control_plane_rpc_duration_seconds_bucket{service=\"prefixrouter.v1.ControlPlane\",method=\"CreateEndpoint\",code=\"OK\",le=\"0.005\"} 1"), "{text}");
         assert!(text.contains("prefix_router_control_plane_rpc_duration_seconds_bucket{service=\"prefixrouter.v1.ControlPlane\",method=\"CreateEndpoint\",code=\"OK\",le=\"0.0025\"} 0"), "{text}");
-        assert!(text.contains("prefix_router_control_plane_routing_table_version 1\n"), "{text}");
-        assert!(text.contains("prefix_router_control_plane_watch_streams 0\n"), "{text}");
+        assert!(
+            text.contains("prefix_router_control_plane_routing_table_version 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("prefix_router_control_plane_watch_streams 0\n"),
+            "{text}"
+        );
         assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

@@ -32,15 +32,23 @@ pub struct InvalidField {
 
 impl InvalidField {
     pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self { field: field.into(), reason: reason.into() }
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }
 
 /// Names of configs, endpoints and variants: 1..=63 characters, letters, digits, `-` and `_`,
 /// starting with a letter or digit (SageMaker's rule, plus `_`).
 pub fn validate_name(field: &str, value: &str) -> Result<(), InvalidField> {
-    let ok_start = value.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
-    let ok_chars = value.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    let ok_start = value
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric());
+    let ok_chars = value
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
     if value.is_empty() {
         return Err(InvalidField::new(field, "must not be empty"));
     }
@@ -56,8 +64,15 @@ pub fn validate_name(field: &str, value: &str) -> Result<(), InvalidField> {
 /// A model-server base URL: `http://host:port` or `https://...`, no path, query or fragment.
 /// Returns the normalized form (no trailing slash).
 pub fn normalize_instance_url(field: &str, value: &str) -> Result<String, InvalidField> {
-    let bad = |why: &str| InvalidField::new(field, format!("{value:?} is not a valid instance URL: {why}"));
-    let uri: http::Uri = value.parse().map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
+    let bad = |why: &str| {
+        InvalidField::new(
+            field,
+            format!("{value:?} is not a valid instance URL: {why}"),
+        )
+    };
+    let uri: http::Uri = value
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
     match uri.scheme_str() {
         Some("http") | Some("https") => {}
         _ => return Err(bad("scheme must be http or https")),
@@ -72,19 +87,31 @@ pub fn normalize_instance_url(field: &str, value: &str) -> Result<String, Invali
     if !matches!(uri.path(), "" | "/") || uri.query().is_some() || value.contains('#') {
         return Err(bad("must not have a path, query or fragment"));
     }
-    Ok(format!("{}://{}", uri.scheme_str().unwrap_or("http"), authority.as_str()))
+    Ok(format!(
+        "{}://{}",
+        uri.scheme_str().unwrap_or("http"),
+        authority.as_str()
+    ))
 }
 
 /// Validates production variants and returns them normalized: weight set (default 1), strategy
 /// explicit (unset = RANDOM), PREFIX_AWARE settings filled with defaults, instance URLs normalized.
-pub fn validate_variants(variants: &[ProductionVariant]) -> Result<Vec<ProductionVariant>, InvalidField> {
+pub fn validate_variants(
+    variants: &[ProductionVariant],
+) -> Result<Vec<ProductionVariant>, InvalidField> {
     if variants.is_empty() {
-        return Err(InvalidField::new("production_variants", "at least one production variant is required"));
+        return Err(InvalidField::new(
+            "production_variants",
+            "at least one production variant is required",
+        ));
     }
     if variants.len() > MAX_VARIANTS {
         return Err(InvalidField::new(
             "production_variants",
-            format!("{} variants given, at most {MAX_VARIANTS} allowed", variants.len()),
+            format!(
+                "{} variants given, at most {MAX_VARIANTS} allowed",
+                variants.len()
+            ),
         ));
     }
     let mut names = HashSet::new();
@@ -93,17 +120,27 @@ pub fn validate_variants(variants: &[ProductionVariant]) -> Result<Vec<Productio
         let at = |f: &str| format!("production_variants[{i}].{f}");
         validate_name(&at("variant_name"), &v.variant_name)?;
         if !names.insert(v.variant_name.as_str()) {
-            return Err(InvalidField::new(at("variant_name"), format!("duplicate variant name {:?}", v.variant_name)));
+            return Err(InvalidField::new(
+                at("variant_name"),
+                format!("duplicate variant name {:?}", v.variant_name),
+            ));
         }
         let weight = v.initial_variant_weight.unwrap_or(1.0);
         if !(weight.is_finite() && weight > 0.0) {
-            return Err(InvalidField::new(at("initial_variant_weight"), format!("{weight} must be greater than 0")));
+            return Err(InvalidField::new(
+                at("initial_variant_weight"),
+                format!("{weight} must be greater than 0"),
+            ));
         }
-        let routing_config = validate_routing_config(&at("routing_config"), v.routing_config.as_ref())?;
+        let routing_config =
+            validate_routing_config(&at("routing_config"), v.routing_config.as_ref())?;
         if v.instances.len() > MAX_INSTANCES_PER_VARIANT {
             return Err(InvalidField::new(
                 at("instances"),
-                format!("{} instances given, at most {MAX_INSTANCES_PER_VARIANT} allowed", v.instances.len()),
+                format!(
+                    "{} instances given, at most {MAX_INSTANCES_PER_VARIANT} allowed",
+                    v.instances.len()
+                ),
             ));
         }
         let mut seen = HashSet::new();
@@ -112,7 +149,10 @@ pub fn validate_variants(variants: &[ProductionVariant]) -> Result<Vec<Productio
             let field = at(&format!("instances[{j}]"));
             let url = normalize_instance_url(&field, url)?;
             if !seen.insert(url.clone()) {
-                return Err(InvalidField::new(field, format!("duplicate instance {url:?}")));
+                return Err(InvalidField::new(
+                    field,
+                    format!("duplicate instance {url:?}"),
+                ));
             }
             instances.push(url);
         }
@@ -127,12 +167,19 @@ pub fn validate_variants(variants: &[ProductionVariant]) -> Result<Vec<Productio
     Ok(out)
 }
 
-fn validate_routing_config(field: &str, config: Option<&RoutingConfig>) -> Result<RoutingConfig, InvalidField> {
+fn validate_routing_config(
+    field: &str,
+    config: Option<&RoutingConfig>,
+) -> Result<RoutingConfig, InvalidField> {
     let config = config.cloned().unwrap_or_default();
     let strategy = RoutingStrategy::try_from(config.routing_strategy).map_err(|_| {
         InvalidField::new(
             format!("{field}.routing_strategy"),
-            format!("unknown routing strategy {} (expected {})", config.routing_strategy, RoutingStrategy::USER_NAMES),
+            format!(
+                "unknown routing strategy {} (expected {})",
+                config.routing_strategy,
+                RoutingStrategy::USER_NAMES
+            ),
         )
     })?;
     let strategy = match strategy {
@@ -146,19 +193,36 @@ fn validate_routing_config(field: &str, config: Option<&RoutingConfig>) -> Resul
     let prefix = prefix
         .map(|p| validate_prefix_config(&format!("{field}.prefix_aware_routing_config"), p))
         .transpose()?;
-    Ok(RoutingConfig { routing_strategy: strategy as i32, prefix_aware_routing_config: prefix })
+    Ok(RoutingConfig {
+        routing_strategy: strategy as i32,
+        prefix_aware_routing_config: prefix,
+    })
 }
 
-fn validate_prefix_config(field: &str, p: PrefixAwareRoutingConfig) -> Result<PrefixAwareRoutingConfig, InvalidField> {
-    let prefix_length = if p.prefix_length == 0 { DEFAULT_PREFIX_LENGTH } else { p.prefix_length };
+fn validate_prefix_config(
+    field: &str,
+    p: PrefixAwareRoutingConfig,
+) -> Result<PrefixAwareRoutingConfig, InvalidField> {
+    let prefix_length = if p.prefix_length == 0 {
+        DEFAULT_PREFIX_LENGTH
+    } else {
+        p.prefix_length
+    };
     if !PREFIX_LENGTH_RANGE.contains(&prefix_length) {
         return Err(InvalidField::new(
             format!("{field}.prefix_length"),
-            format!("{prefix_length} is outside {}..={}", PREFIX_LENGTH_RANGE.start(), PREFIX_LENGTH_RANGE.end()),
+            format!(
+                "{prefix_length} is outside {}..={}",
+                PREFIX_LENGTH_RANGE.start(),
+                PREFIX_LENGTH_RANGE.end()
+            ),
         ));
     }
-    let concurrency_threshold =
-        if p.concurrency_threshold == 0 { DEFAULT_CONCURRENCY_THRESHOLD } else { p.concurrency_threshold };
+    let concurrency_threshold = if p.concurrency_threshold == 0 {
+        DEFAULT_CONCURRENCY_THRESHOLD
+    } else {
+        p.concurrency_threshold
+    };
     if !CONCURRENCY_THRESHOLD_RANGE.contains(&concurrency_threshold) {
         return Err(InvalidField::new(
             format!("{field}.concurrency_threshold"),
@@ -169,7 +233,10 @@ fn validate_prefix_config(field: &str, p: PrefixAwareRoutingConfig) -> Result<Pr
             ),
         ));
     }
-    Ok(PrefixAwareRoutingConfig { prefix_length, concurrency_threshold })
+    Ok(PrefixAwareRoutingConfig {
+        prefix_length,
+        concurrency_threshold,
+    })
 }
 
 /// Validates a requested lease length; 0 means the default.
@@ -177,7 +244,10 @@ pub fn validate_lease_ttl(field: &str, ttl: u32) -> Result<u32, InvalidField> {
     match ttl {
         0 => Ok(DEFAULT_LEASE_TTL_SECONDS),
         t if t <= MAX_LEASE_TTL_SECONDS => Ok(t),
-        t => Err(InvalidField::new(field, format!("{t} is outside 1..={MAX_LEASE_TTL_SECONDS} seconds"))),
+        t => Err(InvalidField::new(
+            field,
+            format!("{t} is outside 1..={MAX_LEASE_TTL_SECONDS} seconds"),
+        )),
     }
 }
 
@@ -205,9 +275,20 @@ mod tests {
         let out = validate_variants(&[v, variant("v2")]).unwrap();
         assert_eq!(out[0].initial_variant_weight, Some(1.0));
         assert_eq!(out[0].instances, vec!["http://127.0.0.1:9001".to_string()]);
-        let p = out[0].routing_config.as_ref().unwrap().prefix_aware_routing_config.unwrap();
-        assert_eq!((p.prefix_length, p.concurrency_threshold), (DEFAULT_PREFIX_LENGTH, DEFAULT_CONCURRENCY_THRESHOLD));
-        assert_eq!(out[1].routing_config.as_ref().unwrap().routing_strategy, RoutingStrategy::Random as i32);
+        let p = out[0]
+            .routing_config
+            .as_ref()
+            .unwrap()
+            .prefix_aware_routing_config
+            .unwrap();
+        assert_eq!(
+            (p.prefix_length, p.concurrency_threshold),
+            (DEFAULT_PREFIX_LENGTH, DEFAULT_CONCURRENCY_THRESHOLD)
+        );
+        assert_eq!(
+            out[1].routing_config.as_ref().unwrap().routing_strategy,
+            RoutingStrategy::Random as i32
+        );
     }
 
     #[test]
@@ -215,38 +296,76 @@ mod tests {
         let mut v = variant("v1");
         v.routing_config = Some(RoutingConfig {
             routing_strategy: RoutingStrategy::PrefixAware as i32,
-            prefix_aware_routing_config: Some(PrefixAwareRoutingConfig { prefix_length: 10, concurrency_threshold: 1 }),
+            prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                prefix_length: 10,
+                concurrency_threshold: 1,
+            }),
         });
         let e = validate_variants(&[v]).unwrap_err();
-        assert_eq!(e.field, "production_variants[0].routing_config.prefix_aware_routing_config.prefix_length");
+        assert_eq!(
+            e.field,
+            "production_variants[0].routing_config.prefix_aware_routing_config.prefix_length"
+        );
         assert!(e.to_string().contains("10 is outside 64..=65536"), "{e}");
 
         let mut v = variant("v1");
-        v.routing_config = Some(RoutingConfig { routing_strategy: 42, prefix_aware_routing_config: None });
-        assert!(validate_variants(&[v]).unwrap_err().to_string().contains("unknown routing strategy 42"));
+        v.routing_config = Some(RoutingConfig {
+            routing_strategy: 42,
+            prefix_aware_routing_config: None,
+        });
+        assert!(validate_variants(&[v])
+            .unwrap_err()
+            .to_string()
+            .contains("unknown routing strategy 42"));
 
         let mut v = variant("v1");
         v.initial_variant_weight = Some(0.0);
-        assert_eq!(validate_variants(&[v]).unwrap_err().field, "production_variants[0].initial_variant_weight");
+        assert_eq!(
+            validate_variants(&[v]).unwrap_err().field,
+            "production_variants[0].initial_variant_weight"
+        );
 
         let mut v = variant("v1");
         v.instances = vec!["ftp://x:1".into()];
-        assert!(validate_variants(&[v]).unwrap_err().to_string().contains("\"ftp://x:1\""));
+        assert!(validate_variants(&[v])
+            .unwrap_err()
+            .to_string()
+            .contains("\"ftp://x:1\""));
 
         let mut v = variant("v1");
         v.instances = vec!["http://a:1".into(), "http://a:1/".into()];
-        assert!(validate_variants(&[v]).unwrap_err().to_string().contains("duplicate instance"));
+        assert!(validate_variants(&[v])
+            .unwrap_err()
+            .to_string()
+            .contains("duplicate instance"));
 
-        assert!(validate_variants(&[variant("v1"), variant("v1")]).unwrap_err().to_string().contains("duplicate variant"));
+        assert!(validate_variants(&[variant("v1"), variant("v1")])
+            .unwrap_err()
+            .to_string()
+            .contains("duplicate variant"));
         assert!(validate_variants(&[]).is_err());
-        assert!(validate_variants(&[variant("")]).unwrap_err().to_string().contains("must not be empty"));
+        assert!(validate_variants(&[variant("")])
+            .unwrap_err()
+            .to_string()
+            .contains("must not be empty"));
         assert!(validate_variants(&[variant("bad name")]).is_err());
     }
 
     #[test]
     fn instance_urls() {
-        assert_eq!(normalize_instance_url("f", "https://h.example:8443").unwrap(), "https://h.example:8443");
-        for bad in ["", "127.0.0.1:9000", "http://", "http://h:1/v1", "http://h:1?x=1", "http://u@h:1", "http://h:1/#x"] {
+        assert_eq!(
+            normalize_instance_url("f", "https://h.example:8443").unwrap(),
+            "https://h.example:8443"
+        );
+        for bad in [
+            "",
+            "127.0.0.1:9000",
+            "http://",
+            "http://h:1/v1",
+            "http://h:1?x=1",
+            "http://u@h:1",
+            "http://h:1/#x",
+        ] {
             assert!(normalize_instance_url("f", bad).is_err(), "{bad}");
         }
     }

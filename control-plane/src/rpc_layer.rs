@@ -34,7 +34,10 @@ impl<S> tower_layer::Layer<S> for RpcLayer {
     type Service = RpcService<S>;
 
     fn layer(&self, inner: S) -> RpcService<S> {
-        RpcService { inner, stats: self.stats.clone() }
+        RpcService {
+            inner,
+            stats: self.stats.clone(),
+        }
     }
 }
 

@@ -88,10 +88,13 @@ impl ControlPlane for ControlPlaneService {
         request: Request<CreateEndpointConfigRequest>,
     ) -> Result<Response<CreateEndpointConfigResponse>, Status> {
         let r = request.into_inner();
-        let config =
-            self.blocking(move |s| s.create_config(&r.endpoint_config_name, &r.production_variants)).await?;
+        let config = self
+            .blocking(move |s| s.create_config(&r.endpoint_config_name, &r.production_variants))
+            .await?;
         tracing::Span::current().record("revision", config.revision as i64);
-        Ok(Response::new(CreateEndpointConfigResponse { endpoint_config: Some(config) }))
+        Ok(Response::new(CreateEndpointConfigResponse {
+            endpoint_config: Some(config),
+        }))
     }
 
     #[tracing::instrument(
@@ -105,7 +108,13 @@ impl ControlPlane for ControlPlaneService {
     ) -> Result<Response<UpdateEndpointConfigResponse>, Status> {
         let r = request.into_inner();
         let (config, version) = self
-            .blocking(move |s| s.update_config(&r.endpoint_config_name, &r.production_variants, r.expected_revision))
+            .blocking(move |s| {
+                s.update_config(
+                    &r.endpoint_config_name,
+                    &r.production_variants,
+                    r.expected_revision,
+                )
+            })
             .await?;
         tracing::Span::current().record("revision", config.revision as i64);
         record_version(version);
@@ -115,7 +124,10 @@ impl ControlPlane for ControlPlaneService {
             routing_table_version = version,
             "endpoint config updated"
         );
-        Ok(Response::new(UpdateEndpointConfigResponse { endpoint_config: Some(config), routing_table_version: version }))
+        Ok(Response::new(UpdateEndpointConfigResponse {
+            endpoint_config: Some(config),
+            routing_table_version: version,
+        }))
     }
 
     #[tracing::instrument(
@@ -128,8 +140,9 @@ impl ControlPlane for ControlPlaneService {
         request: Request<DescribeEndpointConfigRequest>,
     ) -> Result<Response<DescribeEndpointConfigResponse>, Status> {
         let r = request.into_inner();
-        let (config, latest, users) =
-            self.blocking(move |s| s.describe_config(&r.endpoint_config_name, r.revision)).await?;
+        let (config, latest, users) = self
+            .blocking(move |s| s.describe_config(&r.endpoint_config_name, r.revision))
+            .await?;
         Ok(Response::new(DescribeEndpointConfigResponse {
             endpoint_config: Some(config),
             latest_revision: latest,
@@ -147,7 +160,9 @@ impl ControlPlane for ControlPlaneService {
         _request: Request<ListEndpointConfigsRequest>,
     ) -> Result<Response<ListEndpointConfigsResponse>, Status> {
         let configs = self.blocking(|s| s.list_configs()).await?;
-        Ok(Response::new(ListEndpointConfigsResponse { endpoint_configs: configs }))
+        Ok(Response::new(ListEndpointConfigsResponse {
+            endpoint_configs: configs,
+        }))
     }
 
     #[tracing::instrument(
@@ -160,7 +175,8 @@ impl ControlPlane for ControlPlaneService {
         request: Request<DeleteEndpointConfigRequest>,
     ) -> Result<Response<DeleteEndpointConfigResponse>, Status> {
         let r = request.into_inner();
-        self.blocking(move |s| s.delete_config(&r.endpoint_config_name)).await?;
+        self.blocking(move |s| s.delete_config(&r.endpoint_config_name))
+            .await?;
         Ok(Response::new(DeleteEndpointConfigResponse {}))
     }
 
@@ -174,9 +190,13 @@ impl ControlPlane for ControlPlaneService {
         request: Request<CreateEndpointRequest>,
     ) -> Result<Response<CreateEndpointResponse>, Status> {
         let r = request.into_inner();
-        let endpoint = self.blocking(move |s| s.create_endpoint(&r.endpoint_name, &r.endpoint_config_name)).await?;
+        let endpoint = self
+            .blocking(move |s| s.create_endpoint(&r.endpoint_name, &r.endpoint_config_name))
+            .await?;
         record_version(endpoint.routing_table_version);
-        Ok(Response::new(CreateEndpointResponse { endpoint: Some(endpoint) }))
+        Ok(Response::new(CreateEndpointResponse {
+            endpoint: Some(endpoint),
+        }))
     }
 
     #[tracing::instrument(
@@ -189,9 +209,13 @@ impl ControlPlane for ControlPlaneService {
         request: Request<UpdateEndpointRequest>,
     ) -> Result<Response<UpdateEndpointResponse>, Status> {
         let r = request.into_inner();
-        let endpoint = self.blocking(move |s| s.update_endpoint(&r.endpoint_name, &r.endpoint_config_name)).await?;
+        let endpoint = self
+            .blocking(move |s| s.update_endpoint(&r.endpoint_name, &r.endpoint_config_name))
+            .await?;
         record_version(endpoint.routing_table_version);
-        Ok(Response::new(UpdateEndpointResponse { endpoint: Some(endpoint) }))
+        Ok(Response::new(UpdateEndpointResponse {
+            endpoint: Some(endpoint),
+        }))
     }
 
     #[tracing::instrument(
@@ -204,7 +228,9 @@ impl ControlPlane for ControlPlaneService {
         request: Request<DescribeEndpointRequest>,
     ) -> Result<Response<DescribeEndpointResponse>, Status> {
         let r = request.into_inner();
-        let view = self.blocking(move |s| s.describe_endpoint(&r.endpoint_name)).await?;
+        let view = self
+            .blocking(move |s| s.describe_endpoint(&r.endpoint_name))
+            .await?;
         record_version(view.current_version);
         let endpoint_version = view.endpoint.routing_table_version;
         let data_planes = self
@@ -252,7 +278,8 @@ impl ControlPlane for ControlPlaneService {
         request: Request<DeleteEndpointRequest>,
     ) -> Result<Response<DeleteEndpointResponse>, Status> {
         let r = request.into_inner();
-        self.blocking(move |s| s.delete_endpoint(&r.endpoint_name)).await?;
+        self.blocking(move |s| s.delete_endpoint(&r.endpoint_name))
+            .await?;
         record_version(self.published_version());
         Ok(Response::new(DeleteEndpointResponse {}))
     }
@@ -268,11 +295,20 @@ impl ControlPlane for ControlPlaneService {
     ) -> Result<Response<RegisterInstanceResponse>, Status> {
         let r = request.into_inner();
         let instance = self
-            .blocking(move |s| s.register_instance(&r.endpoint_name, &r.variant_name, &r.address, r.lease_ttl_seconds))
+            .blocking(move |s| {
+                s.register_instance(
+                    &r.endpoint_name,
+                    &r.variant_name,
+                    &r.address,
+                    r.lease_ttl_seconds,
+                )
+            })
             .await?;
         tracing::Span::current().record("instance_id", instance.instance_id.as_str());
         record_version(self.published_version());
-        Ok(Response::new(RegisterInstanceResponse { instance: Some(instance) }))
+        Ok(Response::new(RegisterInstanceResponse {
+            instance: Some(instance),
+        }))
     }
 
     #[tracing::instrument(
@@ -285,8 +321,12 @@ impl ControlPlane for ControlPlaneService {
         request: Request<RenewInstanceLeaseRequest>,
     ) -> Result<Response<RenewInstanceLeaseResponse>, Status> {
         let r = request.into_inner();
-        let instance = self.blocking(move |s| s.renew_lease(&r.instance_id)).await?;
-        Ok(Response::new(RenewInstanceLeaseResponse { instance: Some(instance) }))
+        let instance = self
+            .blocking(move |s| s.renew_lease(&r.instance_id))
+            .await?;
+        Ok(Response::new(RenewInstanceLeaseResponse {
+            instance: Some(instance),
+        }))
     }
 
     #[tracing::instrument(
@@ -299,7 +339,8 @@ impl ControlPlane for ControlPlaneService {
         request: Request<DeregisterInstanceRequest>,
     ) -> Result<Response<DeregisterInstanceResponse>, Status> {
         let r = request.into_inner();
-        self.blocking(move |s| s.deregister_instance(&r.instance_id)).await?;
+        self.blocking(move |s| s.deregister_instance(&r.instance_id))
+            .await?;
         record_version(self.published_version());
         Ok(Response::new(DeregisterInstanceResponse {}))
     }

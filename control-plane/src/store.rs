@@ -25,8 +25,8 @@ use sled::{Transactional, Tree};
 use tokio::sync::watch;
 
 use proto::{
-    Endpoint, EndpointConfig, EndpointRoutes, Instance, ProductionVariant, RegisteredInstance, RoutingTable,
-    VariantRoutes,
+    Endpoint, EndpointConfig, EndpointRoutes, Instance, ProductionVariant, RegisteredInstance,
+    RoutingTable, VariantRoutes,
 };
 
 use crate::model::{self, InvalidField};
@@ -42,17 +42,28 @@ pub enum StoreError {
     #[error("{kind} {name:?} already exists")]
     AlreadyExists { kind: &'static str, name: String },
     #[error("variant {variant:?} not found in endpoint {endpoint:?} (config {config:?} revision {revision})")]
-    VariantNotFound { variant: String, endpoint: String, config: String, revision: u64 },
+    VariantNotFound {
+        variant: String,
+        endpoint: String,
+        config: String,
+        revision: u64,
+    },
     #[error("{0}")]
     FailedPrecondition(String),
     #[error("storage error: {0}")]
     Storage(#[from] sled::Error),
     #[error("corrupt record in {tree}: {source}")]
-    Corrupt { tree: &'static str, source: prost::DecodeError },
+    Corrupt {
+        tree: &'static str,
+        source: prost::DecodeError,
+    },
 }
 
 fn not_found(kind: &'static str, name: &str) -> StoreError {
-    StoreError::NotFound { kind, name: name.to_string() }
+    StoreError::NotFound {
+        kind,
+        name: name.to_string(),
+    }
 }
 
 /// One routing-table version, encoded once and shared by every watcher.
@@ -99,7 +110,10 @@ pub struct EndpointView {
 }
 
 pub fn now_unix_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 fn revision_key(name: &str, revision: u64) -> Vec<u8> {
@@ -135,8 +149,20 @@ impl Store {
             meta.insert(VERSION_KEY, &1u64.to_be_bytes())?;
             db.flush()?;
         }
-        let (published, _) = watch::channel(Arc::new(PublishedTable { version: 0, encoded: Bytes::new() }));
-        let store = Self { db, configs, heads, endpoints, instances, meta, write: Mutex::new(()), published };
+        let (published, _) = watch::channel(Arc::new(PublishedTable {
+            version: 0,
+            encoded: Bytes::new(),
+        }));
+        let store = Self {
+            db,
+            configs,
+            heads,
+            endpoints,
+            instances,
+            meta,
+            write: Mutex::new(()),
+            published,
+        };
         {
             let _guard = store.lock();
             store.publish()?;
@@ -161,40 +187,52 @@ impl Store {
 
     /// The current routing-table version.
     pub fn version(&self) -> Result<u64, StoreError> {
-        Ok(self.meta.get(VERSION_KEY)?.map(|v| read_u64(&v)).unwrap_or(1))
+        Ok(self
+            .meta
+            .get(VERSION_KEY)?
+            .map(|v| read_u64(&v))
+            .unwrap_or(1))
     }
 
     /// Commits `ops` atomically (with `new_version` written in the same transaction when set),
     /// flushes, and republishes the table if the version moved. Call with the write lock held.
     fn commit(&self, mut ops: Vec<Op>, new_version: Option<u64>) -> Result<(), StoreError> {
         if let Some(v) = new_version {
-            ops.push(Op::Put(TreeId::Meta, VERSION_KEY.to_vec(), v.to_be_bytes().to_vec()));
+            ops.push(Op::Put(
+                TreeId::Meta,
+                VERSION_KEY.to_vec(),
+                v.to_be_bytes().to_vec(),
+            ));
         }
-        let result: Result<(), TransactionError<()>> =
-            (&self.configs, &self.heads, &self.endpoints, &self.instances, &self.meta).transaction(
-                |(c, h, e, i, m)| {
-                    let pick = |id: TreeId| -> &TransactionalTree {
-                        match id {
-                            TreeId::Configs => c,
-                            TreeId::Heads => h,
-                            TreeId::Endpoints => e,
-                            TreeId::Instances => i,
-                            TreeId::Meta => m,
+        let result: Result<(), TransactionError<()>> = (
+            &self.configs,
+            &self.heads,
+            &self.endpoints,
+            &self.instances,
+            &self.meta,
+        )
+            .transaction(|(c, h, e, i, m)| {
+                let pick = |id: TreeId| -> &TransactionalTree {
+                    match id {
+                        TreeId::Configs => c,
+                        TreeId::Heads => h,
+                        TreeId::Endpoints => e,
+                        TreeId::Instances => i,
+                        TreeId::Meta => m,
+                    }
+                };
+                for op in &ops {
+                    match op {
+                        Op::Put(t, k, v) => {
+                            pick(*t).insert(k.as_slice(), v.as_slice())?;
                         }
-                    };
-                    for op in &ops {
-                        match op {
-                            Op::Put(t, k, v) => {
-                                pick(*t).insert(k.as_slice(), v.as_slice())?;
-                            }
-                            Op::Del(t, k) => {
-                                pick(*t).remove(k.as_slice())?;
-                            }
+                        Op::Del(t, k) => {
+                            pick(*t).remove(k.as_slice())?;
                         }
                     }
-                    Ok(())
-                },
-            );
+                }
+                Ok(())
+            });
         match result {
             Ok(()) => {}
             Err(TransactionError::Storage(e)) => return Err(e.into()),
@@ -211,7 +249,8 @@ impl Store {
         let table = self.build_table()?;
         let version = table.version;
         let encoded = Bytes::from(table.encode_to_vec());
-        self.published.send_replace(Arc::new(PublishedTable { version, encoded }));
+        self.published
+            .send_replace(Arc::new(PublishedTable { version, encoded }));
         Ok(())
     }
 
@@ -220,7 +259,10 @@ impl Store {
     }
 
     fn config_at(&self, name: &str, revision: u64) -> Result<Option<EndpointConfig>, StoreError> {
-        self.configs.get(revision_key(name, revision))?.map(|v| decode("config_revisions", &v)).transpose()
+        self.configs
+            .get(revision_key(name, revision))?
+            .map(|v| decode("config_revisions", &v))
+            .transpose()
     }
 
     fn latest_config(&self, name: &str) -> Result<Option<EndpointConfig>, StoreError> {
@@ -231,32 +273,54 @@ impl Store {
     }
 
     fn endpoint(&self, name: &str) -> Result<Option<Endpoint>, StoreError> {
-        self.endpoints.get(name.as_bytes())?.map(|v| decode("endpoints", &v)).transpose()
+        self.endpoints
+            .get(name.as_bytes())?
+            .map(|v| decode("endpoints", &v))
+            .transpose()
     }
 
     fn all_endpoints(&self) -> Result<Vec<Endpoint>, StoreError> {
-        self.endpoints.iter().values().map(|v| decode("endpoints", &v?)).collect()
+        self.endpoints
+            .iter()
+            .values()
+            .map(|v| decode("endpoints", &v?))
+            .collect()
     }
 
     fn all_instances(&self) -> Result<Vec<RegisteredInstance>, StoreError> {
-        self.instances.iter().values().map(|v| decode("instances", &v?)).collect()
+        self.instances
+            .iter()
+            .values()
+            .map(|v| decode("instances", &v?))
+            .collect()
     }
 
     /// Puts an endpoint record re-stamped with the version at which its routes changed.
     fn touch_endpoint(mut e: Endpoint, version: u64, now: i64) -> Op {
         e.routing_table_version = version;
         e.last_modified_time_unix_ms = now;
-        Op::Put(TreeId::Endpoints, e.endpoint_name.clone().into_bytes(), e.encode_to_vec())
+        Op::Put(
+            TreeId::Endpoints,
+            e.endpoint_name.clone().into_bytes(),
+            e.encode_to_vec(),
+        )
     }
 
     // ---- endpoint configs ----
 
-    pub fn create_config(&self, name: &str, variants: &[ProductionVariant]) -> Result<EndpointConfig, StoreError> {
+    pub fn create_config(
+        &self,
+        name: &str,
+        variants: &[ProductionVariant],
+    ) -> Result<EndpointConfig, StoreError> {
         model::validate_name("endpoint_config_name", name)?;
         let variants = model::validate_variants(variants)?;
         let _guard = self.lock();
         if self.head(name)?.is_some() {
-            return Err(StoreError::AlreadyExists { kind: "endpoint config", name: name.into() });
+            return Err(StoreError::AlreadyExists {
+                kind: "endpoint config",
+                name: name.into(),
+            });
         }
         let config = EndpointConfig {
             endpoint_config_name: name.into(),
@@ -266,8 +330,16 @@ impl Store {
         };
         self.commit(
             vec![
-                Op::Put(TreeId::Configs, revision_key(name, 1), config.encode_to_vec()),
-                Op::Put(TreeId::Heads, name.as_bytes().to_vec(), 1u64.to_be_bytes().to_vec()),
+                Op::Put(
+                    TreeId::Configs,
+                    revision_key(name, 1),
+                    config.encode_to_vec(),
+                ),
+                Op::Put(
+                    TreeId::Heads,
+                    name.as_bytes().to_vec(),
+                    1u64.to_be_bytes().to_vec(),
+                ),
             ],
             None,
         )?;
@@ -285,7 +357,9 @@ impl Store {
         model::validate_name("endpoint_config_name", name)?;
         let variants = model::validate_variants(variants)?;
         let _guard = self.lock();
-        let head = self.head(name)?.ok_or_else(|| not_found("endpoint config", name))?;
+        let head = self
+            .head(name)?
+            .ok_or_else(|| not_found("endpoint config", name))?;
         if let Some(expected) = expected_revision {
             if expected != head {
                 return Err(StoreError::FailedPrecondition(format!(
@@ -302,12 +376,27 @@ impl Store {
             creation_time_unix_ms: now,
         };
         let mut ops = vec![
-            Op::Put(TreeId::Configs, revision_key(name, revision), config.encode_to_vec()),
-            Op::Put(TreeId::Heads, name.as_bytes().to_vec(), revision.to_be_bytes().to_vec()),
+            Op::Put(
+                TreeId::Configs,
+                revision_key(name, revision),
+                config.encode_to_vec(),
+            ),
+            Op::Put(
+                TreeId::Heads,
+                name.as_bytes().to_vec(),
+                revision.to_be_bytes().to_vec(),
+            ),
         ];
-        let users: Vec<Endpoint> =
-            self.all_endpoints()?.into_iter().filter(|e| e.endpoint_config_name == name).collect();
-        let new_version = if users.is_empty() { None } else { Some(self.version()? + 1) };
+        let users: Vec<Endpoint> = self
+            .all_endpoints()?
+            .into_iter()
+            .filter(|e| e.endpoint_config_name == name)
+            .collect();
+        let new_version = if users.is_empty() {
+            None
+        } else {
+            Some(self.version()? + 1)
+        };
         if let Some(v) = new_version {
             ops.extend(users.into_iter().map(|e| Self::touch_endpoint(e, v, now)));
         }
@@ -323,7 +412,9 @@ impl Store {
         revision: Option<u64>,
     ) -> Result<(EndpointConfig, u64, Vec<String>), StoreError> {
         let _guard = self.lock();
-        let head = self.head(name)?.ok_or_else(|| not_found("endpoint config", name))?;
+        let head = self
+            .head(name)?
+            .ok_or_else(|| not_found("endpoint config", name))?;
         let rev = revision.unwrap_or(head);
         let config = self
             .config_at(name, rev)?
@@ -352,7 +443,8 @@ impl Store {
 
     pub fn delete_config(&self, name: &str) -> Result<(), StoreError> {
         let _guard = self.lock();
-        self.head(name)?.ok_or_else(|| not_found("endpoint config", name))?;
+        self.head(name)?
+            .ok_or_else(|| not_found("endpoint config", name))?;
         let users: Vec<String> = self
             .all_endpoints()?
             .into_iter()
@@ -380,9 +472,13 @@ impl Store {
         model::validate_name("endpoint_config_name", config_name)?;
         let _guard = self.lock();
         if self.endpoint(name)?.is_some() {
-            return Err(StoreError::AlreadyExists { kind: "endpoint", name: name.into() });
+            return Err(StoreError::AlreadyExists {
+                kind: "endpoint",
+                name: name.into(),
+            });
         }
-        self.head(config_name)?.ok_or_else(|| not_found("endpoint config", config_name))?;
+        self.head(config_name)?
+            .ok_or_else(|| not_found("endpoint config", config_name))?;
         let now = now_unix_ms();
         let version = self.version()? + 1;
         let endpoint = Endpoint {
@@ -392,32 +488,52 @@ impl Store {
             last_modified_time_unix_ms: now,
             routing_table_version: version,
         };
-        self.commit(vec![Self::touch_endpoint(endpoint.clone(), version, now)], Some(version))?;
+        self.commit(
+            vec![Self::touch_endpoint(endpoint.clone(), version, now)],
+            Some(version),
+        )?;
         Ok(endpoint)
     }
 
     pub fn update_endpoint(&self, name: &str, config_name: &str) -> Result<Endpoint, StoreError> {
         model::validate_name("endpoint_config_name", config_name)?;
         let _guard = self.lock();
-        let mut endpoint = self.endpoint(name)?.ok_or_else(|| not_found("endpoint", name))?;
-        self.head(config_name)?.ok_or_else(|| not_found("endpoint config", config_name))?;
+        let mut endpoint = self
+            .endpoint(name)?
+            .ok_or_else(|| not_found("endpoint", name))?;
+        self.head(config_name)?
+            .ok_or_else(|| not_found("endpoint config", config_name))?;
         let now = now_unix_ms();
         let version = self.version()? + 1;
         endpoint.endpoint_config_name = config_name.into();
         endpoint.routing_table_version = version;
         endpoint.last_modified_time_unix_ms = now;
-        self.commit(vec![Self::touch_endpoint(endpoint.clone(), version, now)], Some(version))?;
+        self.commit(
+            vec![Self::touch_endpoint(endpoint.clone(), version, now)],
+            Some(version),
+        )?;
         Ok(endpoint)
     }
 
     pub fn describe_endpoint(&self, name: &str) -> Result<EndpointView, StoreError> {
         let _guard = self.lock();
-        let endpoint = self.endpoint(name)?.ok_or_else(|| not_found("endpoint", name))?;
+        let endpoint = self
+            .endpoint(name)?
+            .ok_or_else(|| not_found("endpoint", name))?;
         let config = self
             .latest_config(&endpoint.endpoint_config_name)?
             .ok_or_else(|| not_found("endpoint config", &endpoint.endpoint_config_name))?;
-        let registered = self.all_instances()?.into_iter().filter(|i| i.endpoint_name == name).collect();
-        Ok(EndpointView { endpoint, config, registered, current_version: self.version()? })
+        let registered = self
+            .all_instances()?
+            .into_iter()
+            .filter(|i| i.endpoint_name == name)
+            .collect();
+        Ok(EndpointView {
+            endpoint,
+            config,
+            registered,
+            current_version: self.version()?,
+        })
     }
 
     pub fn list_endpoints(&self) -> Result<Vec<Endpoint>, StoreError> {
@@ -428,9 +544,14 @@ impl Store {
     /// Deletes the endpoint and its registered instances.
     pub fn delete_endpoint(&self, name: &str) -> Result<(), StoreError> {
         let _guard = self.lock();
-        self.endpoint(name)?.ok_or_else(|| not_found("endpoint", name))?;
+        self.endpoint(name)?
+            .ok_or_else(|| not_found("endpoint", name))?;
         let mut ops = vec![Op::Del(TreeId::Endpoints, name.as_bytes().to_vec())];
-        for inst in self.all_instances()?.into_iter().filter(|i| i.endpoint_name == name) {
+        for inst in self
+            .all_instances()?
+            .into_iter()
+            .filter(|i| i.endpoint_name == name)
+        {
             ops.push(Op::Del(TreeId::Instances, inst.instance_id.into_bytes()));
         }
         let version = self.version()? + 1;
@@ -451,11 +572,17 @@ impl Store {
         let address = model::normalize_instance_url("address", address)?;
         let ttl = model::validate_lease_ttl("lease_ttl_seconds", lease_ttl_seconds)?;
         let _guard = self.lock();
-        let endpoint = self.endpoint(endpoint_name)?.ok_or_else(|| not_found("endpoint", endpoint_name))?;
+        let endpoint = self
+            .endpoint(endpoint_name)?
+            .ok_or_else(|| not_found("endpoint", endpoint_name))?;
         let config = self
             .latest_config(&endpoint.endpoint_config_name)?
             .ok_or_else(|| not_found("endpoint config", &endpoint.endpoint_config_name))?;
-        if !config.production_variants.iter().any(|v| v.variant_name == variant_name) {
+        if !config
+            .production_variants
+            .iter()
+            .any(|v| v.variant_name == variant_name)
+        {
             return Err(StoreError::VariantNotFound {
                 variant: variant_name.into(),
                 endpoint: endpoint_name.into(),
@@ -466,12 +593,21 @@ impl Store {
         let now = now_unix_ms();
         let expires = now + i64::from(ttl) * 1000;
         let existing = self.all_instances()?.into_iter().find(|i| {
-            i.endpoint_name == endpoint_name && i.variant_name == variant_name && i.address == address
+            i.endpoint_name == endpoint_name
+                && i.variant_name == variant_name
+                && i.address == address
         });
         if let Some(mut inst) = existing {
             inst.lease_ttl_seconds = ttl;
             inst.lease_expires_unix_ms = expires;
-            self.commit(vec![Op::Put(TreeId::Instances, inst.instance_id.clone().into_bytes(), inst.encode_to_vec())], None)?;
+            self.commit(
+                vec![Op::Put(
+                    TreeId::Instances,
+                    inst.instance_id.clone().into_bytes(),
+                    inst.encode_to_vec(),
+                )],
+                None,
+            )?;
             return Ok(inst);
         }
         let inst = RegisteredInstance {
@@ -485,7 +621,11 @@ impl Store {
         let version = self.version()? + 1;
         self.commit(
             vec![
-                Op::Put(TreeId::Instances, inst.instance_id.clone().into_bytes(), inst.encode_to_vec()),
+                Op::Put(
+                    TreeId::Instances,
+                    inst.instance_id.clone().into_bytes(),
+                    inst.encode_to_vec(),
+                ),
                 Self::touch_endpoint(endpoint, version, now),
             ],
             Some(version),
@@ -502,7 +642,14 @@ impl Store {
             .transpose()?
             .ok_or_else(|| not_found("instance", instance_id))?;
         inst.lease_expires_unix_ms = now_unix_ms() + i64::from(inst.lease_ttl_seconds) * 1000;
-        self.commit(vec![Op::Put(TreeId::Instances, instance_id.as_bytes().to_vec(), inst.encode_to_vec())], None)?;
+        self.commit(
+            vec![Op::Put(
+                TreeId::Instances,
+                instance_id.as_bytes().to_vec(),
+                inst.encode_to_vec(),
+            )],
+            None,
+        )?;
         Ok(inst)
     }
 
@@ -520,8 +667,11 @@ impl Store {
     /// Removes every instance whose lease ran out before `now_ms`; returns how many.
     pub fn expire_leases(&self, now_ms: i64) -> Result<usize, StoreError> {
         let _guard = self.lock();
-        let expired: Vec<_> =
-            self.all_instances()?.into_iter().filter(|i| i.lease_expires_unix_ms < now_ms).collect();
+        let expired: Vec<_> = self
+            .all_instances()?
+            .into_iter()
+            .filter(|i| i.lease_expires_unix_ms < now_ms)
+            .collect();
         let n = expired.len();
         if n > 0 {
             self.remove_instances(expired)?;
@@ -558,7 +708,9 @@ impl Store {
         instances.sort_by(|a, b| a.address.cmp(&b.address));
         let mut endpoints = Vec::new();
         for endpoint in self.all_endpoints()? {
-            let Some(config) = self.latest_config(&endpoint.endpoint_config_name)? else { continue };
+            let Some(config) = self.latest_config(&endpoint.endpoint_config_name)? else {
+                continue;
+            };
             let variants = config
                 .production_variants
                 .into_iter()
@@ -566,13 +718,20 @@ impl Store {
                     let mut list: Vec<Instance> = v
                         .instances
                         .iter()
-                        .map(|a| Instance { instance_id: a.clone(), address: a.clone() })
+                        .map(|a| Instance {
+                            instance_id: a.clone(),
+                            address: a.clone(),
+                        })
                         .collect();
                     for r in instances.iter().filter(|r| {
-                        r.endpoint_name == endpoint.endpoint_name && r.variant_name == v.variant_name
+                        r.endpoint_name == endpoint.endpoint_name
+                            && r.variant_name == v.variant_name
                     }) {
                         if !list.iter().any(|i| i.address == r.address) {
-                            list.push(Instance { instance_id: r.instance_id.clone(), address: r.address.clone() });
+                            list.push(Instance {
+                                instance_id: r.instance_id.clone(),
+                                address: r.address.clone(),
+                            });
                         }
                     }
                     VariantRoutes {

@@ -11,7 +11,9 @@ use data_plane::load::InFlight;
 use data_plane::placement::{Placement, RouteRequest};
 use data_plane::prompt::BodyKind;
 use data_plane::table::RoutingTable;
-use proto::{EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes};
+use proto::{
+    EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes,
+};
 
 fn wire_table(instances: usize, strategy: RoutingStrategy) -> proto::RoutingTable {
     proto::RoutingTable {
@@ -33,8 +35,16 @@ fn wire_table(instances: usize, strategy: RoutingStrategy) -> proto::RoutingTabl
                 }),
                 instances: (0..instances)
                     .map(|i| {
-                        let a = format!("http://10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256);
-                        proto::Instance { instance_id: a.clone(), address: a }
+                        let a = format!(
+                            "http://10.{}.{}.{}:8000",
+                            i / 65536,
+                            (i / 256) % 256,
+                            i % 256
+                        );
+                        proto::Instance {
+                            instance_id: a.clone(),
+                            address: a,
+                        }
                     })
                     .collect(),
             }],
@@ -48,17 +58,26 @@ fn wire_table(instances: usize, strategy: RoutingStrategy) -> proto::RoutingTabl
 fn chat_body_32k() -> Vec<u8> {
     let q = |s: &str| serde_json::to_string(s).unwrap();
     let system = "You are a meticulous assistant.\nFollow the \"house style\" guide. ".repeat(130);
-    let mut messages = vec![format!(r#"{{"role": "system", "content": {}}}"#, q(&system))];
+    let mut messages = vec![format!(
+        r#"{{"role": "system", "content": {}}}"#,
+        q(&system)
+    )];
     let mut turn = 0;
     loop {
         let user = format!("Question {turn}: explain item {turn} of the list in detail.\nThanks!");
         messages.push(format!(r#"{{"role": "user", "content": {}}}"#, q(&user)));
-        let body = format!(r#"{{"messages": [{}], "model": "e", "stream": true}}"#, messages.join(", "));
+        let body = format!(
+            r#"{{"messages": [{}], "model": "e", "stream": true}}"#,
+            messages.join(", ")
+        );
         if body.len() >= 32 * 1024 {
             return body.into_bytes();
         }
         let answer = "Here is a detailed answer.\n- point one\n- point two\n".repeat(8);
-        messages.push(format!(r#"{{"role": "assistant", "content": {}}}"#, q(&answer)));
+        messages.push(format!(
+            r#"{{"role": "assistant", "content": {}}}"#,
+            q(&answer)
+        ));
         turn += 1;
     }
 }
@@ -70,8 +89,16 @@ fn decision(c: &mut Criterion) {
     for (n, strategy, name) in [
         (7, RoutingStrategy::PrefixAware, "prefix_aware"),
         (1000, RoutingStrategy::PrefixAware, "prefix_aware"),
-        (7, RoutingStrategy::LeastOutstandingRequests, "least_outstanding"),
-        (1000, RoutingStrategy::LeastOutstandingRequests, "least_outstanding"),
+        (
+            7,
+            RoutingStrategy::LeastOutstandingRequests,
+            "least_outstanding",
+        ),
+        (
+            1000,
+            RoutingStrategy::LeastOutstandingRequests,
+            "least_outstanding",
+        ),
         (7, RoutingStrategy::Random, "random"),
     ] {
         let table = RoutingTable::try_from(wire_table(n, strategy)).unwrap();
@@ -84,25 +111,41 @@ fn decision(c: &mut Criterion) {
             target_variant: None,
             prefix_aware_id: None,
         };
-        group.bench_with_input(BenchmarkId::new(format!("{name}/model_field"), n), &by_model, |b, req| {
-            b.iter(|| {
-                let route = placement.route(&table, black_box(req)).unwrap();
-                let guard = InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
-                black_box((route.instance, route.decision));
-                drop(guard);
-            })
-        });
-        if strategy == RoutingStrategy::PrefixAware {
-            let by_header = RouteRequest { endpoint: Some("e"), ..by_model };
-            group.bench_with_input(BenchmarkId::new(format!("{name}/endpoint_header"), n), &by_header, |b, req| {
+        group.bench_with_input(
+            BenchmarkId::new(format!("{name}/model_field"), n),
+            &by_model,
+            |b, req| {
                 b.iter(|| {
                     let route = placement.route(&table, black_box(req)).unwrap();
-                    let guard =
-                        InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
+                    let guard = InFlight::start(
+                        route.variant.instances()[route.instance].state(),
+                        route.variant.load(),
+                    );
                     black_box((route.instance, route.decision));
                     drop(guard);
                 })
-            });
+            },
+        );
+        if strategy == RoutingStrategy::PrefixAware {
+            let by_header = RouteRequest {
+                endpoint: Some("e"),
+                ..by_model
+            };
+            group.bench_with_input(
+                BenchmarkId::new(format!("{name}/endpoint_header"), n),
+                &by_header,
+                |b, req| {
+                    b.iter(|| {
+                        let route = placement.route(&table, black_box(req)).unwrap();
+                        let guard = InFlight::start(
+                            route.variant.instances()[route.instance].state(),
+                            route.variant.load(),
+                        );
+                        black_box((route.instance, route.decision));
+                        drop(guard);
+                    })
+                },
+            );
         }
     }
     group.finish();
@@ -126,7 +169,14 @@ fn decision(c: &mut Criterion) {
         model: Option<std::borrow::Cow<'a, str>>,
     }
     c.bench_function("parts/prompt_key_2048_chars", |b| {
-        b.iter(|| black_box(data_plane::prompt::prompt_key(BodyKind::OpenAi, black_box(&body), 2048, 1)))
+        b.iter(|| {
+            black_box(data_plane::prompt::prompt_key(
+                BodyKind::OpenAi,
+                black_box(&body),
+                2048,
+                1,
+            ))
+        })
     });
     c.bench_function("parts/find_model_32KiB", |b| {
         b.iter(|| black_box(data_plane::prompt::find_model(black_box(&body)).is_some()))
@@ -145,15 +195,23 @@ fn table_build(c: &mut Criterion) {
         let wire = wire_table(n, RoutingStrategy::PrefixAware);
         let previous = RoutingTable::try_from(wire.clone()).unwrap();
         group.bench_with_input(BenchmarkId::new("fresh", n), &wire, |b, wire| {
-            b.iter_batched(|| wire.clone(), |w| RoutingTable::build(w, None).unwrap(), BatchSize::SmallInput)
-        });
-        group.bench_with_input(BenchmarkId::new("swap_reusing_state", n), &wire, |b, wire| {
             b.iter_batched(
                 || wire.clone(),
-                |w| RoutingTable::build(w, Some(&previous)).unwrap(),
+                |w| RoutingTable::build(w, None).unwrap(),
                 BatchSize::SmallInput,
             )
         });
+        group.bench_with_input(
+            BenchmarkId::new("swap_reusing_state", n),
+            &wire,
+            |b, wire| {
+                b.iter_batched(
+                    || wire.clone(),
+                    |w| RoutingTable::build(w, Some(&previous)).unwrap(),
+                    BatchSize::SmallInput,
+                )
+            },
+        );
     }
     group.finish();
 }

@@ -99,7 +99,13 @@ mod tests {
         assert_eq!(c.prefix_index_capacity, 100_000);
         assert_eq!(c.hash_balance_factor, 150);
         assert!(!c.resolved_node_id().is_empty());
-        let c = Config::parse_from(["data-plane", "--node-id", "n1", "--hash-balance-factor", "200"]);
+        let c = Config::parse_from([
+            "data-plane",
+            "--node-id",
+            "n1",
+            "--hash-balance-factor",
+            "200",
+        ]);
         assert_eq!(c.resolved_node_id(), "n1");
         assert_eq!(c.hash_balance_factor, 200);
         assert!(Config::try_parse_from(["data-plane", "--hash-balance-factor", "99"]).is_err());

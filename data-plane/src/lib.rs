@@ -47,7 +47,8 @@ mod watch;
 
 pub use config::Config;
 pub use proxy::{
-    X_DECISION, X_ENDPOINT_NAME, X_INSTANCE, X_PREFIX_AWARE_ID, X_TABLE_VERSION, X_TARGET_VARIANT, X_VARIANT,
+    X_DECISION, X_ENDPOINT_NAME, X_INSTANCE, X_PREFIX_AWARE_ID, X_TABLE_VERSION, X_TARGET_VARIANT,
+    X_VARIANT,
 };
 
 /// Aborts a background task when dropped.
@@ -77,7 +78,9 @@ pub async fn serve(
     let router = Arc::new(proxy::Router::new(&config));
     if let Some(path) = &config.table_cache {
         match watch::load_cache(&router, path) {
-            Ok(Some(version)) => tracing::info!(version, cache = %path.display(), "routing table loaded from cache"),
+            Ok(Some(version)) => {
+                tracing::info!(version, cache = %path.display(), "routing table loaded from cache")
+            }
             Ok(None) => {}
             Err(e) => tracing::warn!("{e}; waiting for the control plane"),
         }
@@ -140,7 +143,10 @@ pub async fn serve(
     drop(drain_tx);
     let grace = Duration::from_millis(config.shutdown_grace_ms);
     if tokio::time::timeout(grace, drain_rx.recv()).await.is_err() {
-        tracing::warn!(?grace, "shutdown grace period over; closing the remaining connections");
+        tracing::warn!(
+            ?grace,
+            "shutdown grace period over; closing the remaining connections"
+        );
         let _ = stop_tx.send(2);
     }
     Ok(())

@@ -59,7 +59,8 @@ impl InstanceState {
         }
         let k = self.ejections.fetch_add(1, Relaxed).min(16);
         let length = EJECT_BASE.saturating_mul(1 << k).min(EJECT_MAX);
-        self.ejected_until_ms.store(now_ms + length.as_millis() as u64, Relaxed);
+        self.ejected_until_ms
+            .store(now_ms + length.as_millis() as u64, Relaxed);
         Some(length)
     }
 }
@@ -88,7 +89,10 @@ impl InFlight {
     pub fn start(instance: &Arc<InstanceState>, variant: &Arc<VariantLoad>) -> Self {
         instance.outstanding.fetch_add(1, Relaxed);
         variant.outstanding.fetch_add(1, Relaxed);
-        InFlight { instance: instance.clone(), variant: variant.clone() }
+        InFlight {
+            instance: instance.clone(),
+            variant: variant.clone(),
+        }
     }
 }
 

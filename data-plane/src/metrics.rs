@@ -38,7 +38,11 @@ pub struct RouteStats {
 
 impl Default for RouteStats {
     fn default() -> Self {
-        RouteStats { counts: (0..Decision::ALL.len() * STATUS_SLOTS).map(|_| AtomicU64::new(0)).collect() }
+        RouteStats {
+            counts: (0..Decision::ALL.len() * STATUS_SLOTS)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+        }
     }
 }
 
@@ -54,9 +58,9 @@ impl RouteStats {
 
 /// Upper bounds of the decision-latency buckets, in nanoseconds.
 const DECISION_BUCKETS_NS: [u64; 33] = [
-    250, 500, 750, 1_000, 1_500, 2_000, 2_500, 3_000, 3_500, 4_000, 5_000, 6_000, 7_000, 8_000, 10_000, 12_500,
-    15_000, 20_000, 25_000, 30_000, 40_000, 50_000, 75_000, 100_000, 150_000, 200_000, 300_000, 500_000, 750_000,
-    1_000_000, 2_500_000, 5_000_000, 10_000_000,
+    250, 500, 750, 1_000, 1_500, 2_000, 2_500, 3_000, 3_500, 4_000, 5_000, 6_000, 7_000, 8_000,
+    10_000, 12_500, 15_000, 20_000, 25_000, 30_000, 40_000, 50_000, 75_000, 100_000, 150_000,
+    200_000, 300_000, 500_000, 750_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
 ];
 
 /// A fixed-bucket latency histogram in atomics.
@@ -68,7 +72,10 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram { buckets: std::array::from_fn(|_| AtomicU64::new(0)), sum_ns: AtomicU64::new(0) }
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+        }
     }
 }
 
@@ -91,7 +98,11 @@ impl Histogram {
             cumulative += bucket.load(Relaxed);
             match DECISION_BUCKETS_NS.get(i) {
                 Some(&ns) => {
-                    let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {cumulative}", ns as f64 / 1e9);
+                    let _ = writeln!(
+                        out,
+                        "{name}_bucket{{le=\"{}\"}} {cumulative}",
+                        ns as f64 / 1e9
+                    );
                 }
                 None => {
                     let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
@@ -155,7 +166,9 @@ impl Metrics {
                         );
                         for decision in Decision::ALL {
                             for slot in 0..STATUS_SLOTS {
-                                let n = instance.stats().counts[decision as usize * STATUS_SLOTS + slot].load(Relaxed);
+                                let n = instance.stats().counts
+                                    [decision as usize * STATUS_SLOTS + slot]
+                                    .load(Relaxed);
                                 if n > 0 {
                                     line.clear();
                                     slot_label(slot, &mut line);
@@ -231,14 +244,19 @@ impl Metrics {
             ),
         ];
         for (name, kind, help, value) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
         }
         out
     }
 }
 
 fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]

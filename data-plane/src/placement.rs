@@ -81,7 +81,9 @@ impl RouteError {
     /// The HTTP status this error answers with.
     pub fn status(&self) -> u16 {
         match self {
-            RouteError::UnknownEndpoint(_) | RouteError::NoEndpoint { .. } | RouteError::UnknownVariant { .. } => 404,
+            RouteError::UnknownEndpoint(_)
+            | RouteError::NoEndpoint { .. }
+            | RouteError::UnknownVariant { .. } => 404,
             RouteError::NoVariant(_) | RouteError::NoInstance { .. } => 503,
         }
     }
@@ -122,7 +124,11 @@ pub struct Placement {
 }
 
 impl Placement {
-    pub fn new(prefix_index_capacity: usize, balance_percent: u32, default_endpoint: Option<String>) -> Self {
+    pub fn new(
+        prefix_index_capacity: usize,
+        balance_percent: u32,
+        default_endpoint: Option<String>,
+    ) -> Self {
         Placement {
             index: PrefixIndex::new(prefix_index_capacity),
             balance_percent: balance_percent.clamp(100, 1000),
@@ -135,13 +141,19 @@ impl Placement {
     }
 
     /// Endpoint, variant and instance for a request.
-    pub fn route<'t>(&self, table: &'t RoutingTable, req: &RouteRequest<'_>) -> Result<Route<'t>, RouteError> {
+    pub fn route<'t>(
+        &self,
+        table: &'t RoutingTable,
+        req: &RouteRequest<'_>,
+    ) -> Result<Route<'t>, RouteError> {
         let endpoint = self.endpoint(table, req)?;
         let variant = match req.target_variant {
-            Some(name) => endpoint.variant(name).ok_or_else(|| RouteError::UnknownVariant {
-                endpoint: endpoint.name().to_string(),
-                variant: name.to_string(),
-            })?,
+            Some(name) => endpoint
+                .variant(name)
+                .ok_or_else(|| RouteError::UnknownVariant {
+                    endpoint: endpoint.name().to_string(),
+                    variant: name.to_string(),
+                })?,
             None if endpoint.variants().len() == 1 => &endpoint.variants()[0],
             None => endpoint
                 .pick_variant(rand::rng().random::<f64>())
@@ -155,16 +167,29 @@ impl Placement {
             _ => None,
         };
         let (instance, decision) =
-            self.choose(variant, key, None, now_ms()).ok_or_else(|| RouteError::NoInstance {
-                endpoint: endpoint.name().to_string(),
-                variant: variant.name().to_string(),
-            })?;
-        Ok(Route { endpoint, variant, instance, decision, key })
+            self.choose(variant, key, None, now_ms())
+                .ok_or_else(|| RouteError::NoInstance {
+                    endpoint: endpoint.name().to_string(),
+                    variant: variant.name().to_string(),
+                })?;
+        Ok(Route {
+            endpoint,
+            variant,
+            instance,
+            decision,
+            key,
+        })
     }
 
-    fn endpoint<'t>(&self, table: &'t RoutingTable, req: &RouteRequest<'_>) -> Result<&'t Endpoint, RouteError> {
+    fn endpoint<'t>(
+        &self,
+        table: &'t RoutingTable,
+        req: &RouteRequest<'_>,
+    ) -> Result<&'t Endpoint, RouteError> {
         if let Some(name) = req.endpoint {
-            return table.endpoint(name).ok_or_else(|| RouteError::UnknownEndpoint(name.to_string()));
+            return table
+                .endpoint(name)
+                .ok_or_else(|| RouteError::UnknownEndpoint(name.to_string()));
         }
         let model = match req.kind {
             BodyKind::OpenAi => find_model(req.body),
@@ -174,8 +199,12 @@ impl Placement {
             return Ok(e);
         }
         match &self.default_endpoint {
-            Some(name) => table.endpoint(name).ok_or_else(|| RouteError::UnknownEndpoint(name.clone())),
-            None => Err(RouteError::NoEndpoint { model: model.map(|m| m.into_owned()) }),
+            Some(name) => table
+                .endpoint(name)
+                .ok_or_else(|| RouteError::UnknownEndpoint(name.clone())),
+            None => Err(RouteError::NoEndpoint {
+                model: model.map(|m| m.into_owned()),
+            }),
         }
     }
 
@@ -188,7 +217,9 @@ impl Placement {
         now_ms: u64,
     ) -> Option<(usize, Decision)> {
         match (variant.strategy(), key) {
-            (Strategy::PrefixAware(pa), Some(key)) => self.prefix_aware(variant, key, pa, exclude, now_ms),
+            (Strategy::PrefixAware(pa), Some(key)) => {
+                self.prefix_aware(variant, key, pa, exclude, now_ms)
+            }
             (Strategy::LeastOutstandingRequests, _) => {
                 least_loaded(variant, exclude, now_ms).map(|i| (i, Decision::LeastOutstanding))
             }
@@ -209,11 +240,14 @@ impl Placement {
         if n == 0 {
             return None;
         }
-        let cap = (self.balance_percent as u64 * (v.load().outstanding() + 1)).div_ceil(100 * n) + 1;
+        let cap =
+            (self.balance_percent as u64 * (v.load().outstanding() + 1)).div_ceil(100 * n) + 1;
         let limit = cap.min(pa.concurrency_threshold as u64);
         let instances = v.instances();
         let ok = |i: usize| {
-            Some(i) != exclude && instances[i].state().outstanding() < limit && !instances[i].state().is_ejected(now)
+            Some(i) != exclude
+                && instances[i].state().outstanding() < limit
+                && !instances[i].state().is_ejected(now)
         };
         let (top, top_score) = rendezvous_top(hashes, key);
         if ok(top) {
@@ -291,13 +325,26 @@ pub struct RendezvousWalk<'a> {
 #[allow(clippy::large_enum_variant)]
 enum Sorted {
     No,
-    Stack { ranking: [(u64, u32); STACK_RANKING], len: usize, pos: usize },
-    Heap { ranking: Vec<(u64, u32)>, pos: usize },
+    Stack {
+        ranking: [(u64, u32); STACK_RANKING],
+        len: usize,
+        pos: usize,
+    },
+    Heap {
+        ranking: Vec<(u64, u32)>,
+        pos: usize,
+    },
 }
 
 impl<'a> RendezvousWalk<'a> {
     pub fn new(hashes: &'a [u64], key: u64, top: usize, top_score: u64) -> Self {
-        RendezvousWalk { hashes, key, last: (top_score, top), steps: 1, sorted: Sorted::No }
+        RendezvousWalk {
+            hashes,
+            key,
+            last: (top_score, top),
+            steps: 1,
+            sorted: Sorted::No,
+        }
     }
 
     fn sort(&mut self) {
@@ -311,11 +358,18 @@ impl<'a> RendezvousWalk<'a> {
         self.sorted = if n <= STACK_RANKING {
             let mut ranking = [(0u64, 0u32); STACK_RANKING];
             fill(&mut ranking[..n]);
-            Sorted::Stack { ranking, len: n, pos: self.steps }
+            Sorted::Stack {
+                ranking,
+                len: n,
+                pos: self.steps,
+            }
         } else {
             let mut ranking = vec![(0u64, 0u32); n];
             fill(&mut ranking);
-            Sorted::Heap { ranking, pos: self.steps }
+            Sorted::Heap {
+                ranking,
+                pos: self.steps,
+            }
         };
     }
 }
@@ -429,8 +483,13 @@ mod tests {
     fn build(strategy: RoutingStrategy, addresses: &[String], threshold: u32) -> RoutingTable {
         let a: Vec<&str> = addresses.iter().map(|s| s.as_str()).collect();
         let mut v = variant("v1", strategy, &a);
-        v.routing_config.as_mut().unwrap().prefix_aware_routing_config.as_mut().unwrap().concurrency_threshold =
-            threshold;
+        v.routing_config
+            .as_mut()
+            .unwrap()
+            .prefix_aware_routing_config
+            .as_mut()
+            .unwrap()
+            .concurrency_threshold = threshold;
         RoutingTable::try_from(table(1, "e", vec![v])).unwrap()
     }
 
@@ -440,7 +499,13 @@ mod tests {
     }
 
     fn req(body: &[u8]) -> RouteRequest<'_> {
-        RouteRequest { kind: BodyKind::OpenAi, body, endpoint: None, target_variant: None, prefix_aware_id: None }
+        RouteRequest {
+            kind: BodyKind::OpenAi,
+            body,
+            endpoint: None,
+            target_variant: None,
+            prefix_aware_id: None,
+        }
     }
 
     fn policy() -> Placement {
@@ -458,7 +523,9 @@ mod tests {
             for key in [1u64, 42, u64::MAX] {
                 let mut expected: Vec<usize> = (0..n).collect();
                 expected.sort_by(|&a, &b| {
-                    rendezvous_score(key, hashes[b]).cmp(&rendezvous_score(key, hashes[a])).then(a.cmp(&b))
+                    rendezvous_score(key, hashes[b])
+                        .cmp(&rendezvous_score(key, hashes[a]))
+                        .then(a.cmp(&b))
                 });
                 let (top, score) = rendezvous_top(&hashes, key);
                 let mut got = vec![top];
@@ -479,8 +546,14 @@ mod tests {
             let body = chat_body(&format!("question {i}"));
             let a = p1.route(&t1, &req(&body)).unwrap();
             let b = p2.route(&t2, &req(&body)).unwrap();
-            assert_eq!(a.variant.instances()[a.instance].id(), b.variant.instances()[b.instance].id());
-            assert_eq!((a.decision, b.decision), (Decision::PrefixHash, Decision::PrefixHash));
+            assert_eq!(
+                a.variant.instances()[a.instance].id(),
+                b.variant.instances()[b.instance].id()
+            );
+            assert_eq!(
+                (a.decision, b.decision),
+                (Decision::PrefixHash, Decision::PrefixHash)
+            );
             used.insert(a.instance);
         }
         assert_eq!(used.len(), 7, "keys spread over all instances");
@@ -489,7 +562,10 @@ mod tests {
         let key = prompt_key(BodyKind::OpenAi, &body, 1024, seed_for(None)).hash;
         let r = p1.route(&t1, &req(&body)).unwrap();
         assert_eq!(r.key, Some(key));
-        assert_eq!(r.instance, rendezvous_top(variant_of(&t1).id_hashes(), key).0);
+        assert_eq!(
+            r.instance,
+            rendezvous_top(variant_of(&t1).id_hashes(), key).0
+        );
     }
 
     #[test]
@@ -500,12 +576,17 @@ mod tests {
         let _a = InFlight::start(v.instances()[0].state(), v.load());
         let _b = InFlight::start(v.instances()[2].state(), v.load());
         for _ in 0..50 {
-            assert_eq!(p.choose(v, None, None, 1), Some((1, Decision::LeastOutstanding)));
+            assert_eq!(
+                p.choose(v, None, None, 1),
+                Some((1, Decision::LeastOutstanding))
+            );
         }
         let _c = InFlight::start(v.instances()[1].state(), v.load());
         let _d = InFlight::start(v.instances()[1].state(), v.load());
         // 0 and 2 tie at one: both get picked
-        let picks: std::collections::HashSet<usize> = (0..100).map(|_| p.choose(v, None, None, 1).unwrap().0).collect();
+        let picks: std::collections::HashSet<usize> = (0..100)
+            .map(|_| p.choose(v, None, None, 1).unwrap().0)
+            .collect();
         assert_eq!(picks, [0, 2].into_iter().collect());
         assert_eq!(least_loaded(v, Some(0), 1), Some(2));
 
@@ -517,7 +598,10 @@ mod tests {
             assert_eq!(d, Decision::Random);
             counts[i] += 1;
         }
-        assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| (800..1200).contains(&c)),
+            "{counts:?}"
+        );
         for _ in 0..100 {
             assert_ne!(random(v, Some(2), 1), Some(2));
         }
@@ -536,7 +620,10 @@ mod tests {
         let first = p.route(&t, &req(&body)).unwrap();
         let _held = InFlight::start(v.instances()[first.instance].state(), v.load());
         let second = p.route(&t, &req(&body)).unwrap();
-        assert_eq!((second.instance, second.decision), (first.instance, Decision::PrefixHash));
+        assert_eq!(
+            (second.instance, second.decision),
+            (first.instance, Decision::PrefixHash)
+        );
     }
 
     #[test]
@@ -559,17 +646,35 @@ mod tests {
         let on_top = decisions.iter().filter(|d| d.0 == top).count();
         assert!(on_top < 40, "spilled");
         let spilled: Vec<_> = decisions.iter().filter(|d| d.0 != top).collect();
-        assert!(spilled.iter().any(|d| d.1 == Decision::PrefixMatch), "{decisions:?}");
-        assert!(spilled.iter().all(|d| d.1 == Decision::PrefixMatch || d.1 == Decision::OverloadBypass));
+        assert!(
+            spilled.iter().any(|d| d.1 == Decision::PrefixMatch),
+            "{decisions:?}"
+        );
+        assert!(spilled
+            .iter()
+            .all(|d| d.1 == Decision::PrefixMatch || d.1 == Decision::OverloadBypass));
         // the cap holds: no instance above ceil(1.25 * (total + 1) / 7) + 1 at any point
-        let max = v.instances().iter().map(|i| i.state().outstanding()).max().unwrap();
+        let max = v
+            .instances()
+            .iter()
+            .map(|i| i.state().outstanding())
+            .max()
+            .unwrap();
         assert!(max <= (125 * 41u64).div_ceil(700) + 1, "max {max}");
         // the first spill goes where the rendezvous ranking says, and the index remembers it
-        let second = RendezvousWalk::new(v.id_hashes(), first.key.unwrap(), top, rendezvous_top(v.id_hashes(), first.key.unwrap()).1)
-            .next()
-            .unwrap();
+        let second = RendezvousWalk::new(
+            v.id_hashes(),
+            first.key.unwrap(),
+            top,
+            rendezvous_top(v.id_hashes(), first.key.unwrap()).1,
+        )
+        .next()
+        .unwrap();
         let first_spill = spilled[0];
-        assert_eq!((first_spill.0, first_spill.1), (second, Decision::OverloadBypass));
+        assert_eq!(
+            (first_spill.0, first_spill.1),
+            (second, Decision::OverloadBypass)
+        );
         assert!(p.index().get(first.key.unwrap() ^ v.salt()).is_some());
     }
 
@@ -600,7 +705,11 @@ mod tests {
         assert_eq!(r.decision, Decision::PrefixHash);
         let top = r.instance;
         let _h1 = InFlight::start(v.instances()[top].state(), v.load());
-        assert_eq!(p.route(&t, &req(&body)).unwrap().instance, top, "1 < threshold 2");
+        assert_eq!(
+            p.route(&t, &req(&body)).unwrap().instance,
+            top,
+            "1 < threshold 2"
+        );
         let _h2 = InFlight::start(v.instances()[top].state(), v.load());
         let r = p.route(&t, &req(&body)).unwrap();
         assert_ne!(r.instance, top, "at the threshold the holder is skipped");
@@ -630,10 +739,20 @@ mod tests {
         }
         let r2 = p.route(&t, &req(&body)).unwrap();
         let key = r.key.unwrap();
-        let next = RendezvousWalk::new(v.id_hashes(), key, r.instance, rendezvous_top(v.id_hashes(), key).1).next();
+        let next = RendezvousWalk::new(
+            v.id_hashes(),
+            key,
+            r.instance,
+            rendezvous_top(v.id_hashes(), key).1,
+        )
+        .next();
         assert_eq!(Some(r2.instance), next);
         // retry exclusion works the same way
-        assert_eq!(p.choose(v, Some(key), Some(r2.instance), now).map(|c| c.0 == r2.instance), Some(false));
+        assert_eq!(
+            p.choose(v, Some(key), Some(r2.instance), now)
+                .map(|c| c.0 == r2.instance),
+            Some(false)
+        );
     }
 
     #[test]
@@ -656,9 +775,17 @@ mod tests {
         }
         let fraction = moved as f64 / keys as f64;
         let ideal = 1.0 / (n as f64 + 1.0);
-        assert!((fraction - ideal).abs() < 0.02, "moved {fraction}, ideal {ideal}");
+        assert!(
+            (fraction - ideal).abs() < 0.02,
+            "moved {fraction}, ideal {ideal}"
+        );
         // removing a middle instance moves exactly its keys
-        let without: Vec<String> = all.iter().enumerate().filter(|(i, _)| *i != 3).map(|(_, a)| a.clone()).collect();
+        let without: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 3)
+            .map(|(_, a)| a.clone())
+            .collect();
         let gone = build(RoutingStrategy::PrefixAware, &without, 8);
         let vg = variant_of(&gone);
         let mut moved = 0;
@@ -706,23 +833,51 @@ mod tests {
         let body = br#"{"model":"e","prompt":"x"}"#;
         let r = p.route(&t, &req(body)).unwrap();
         assert_eq!(r.endpoint.name(), "e");
-        let pinned = RouteRequest { target_variant: Some("b"), ..req(body) };
+        let pinned = RouteRequest {
+            target_variant: Some("b"),
+            ..req(body)
+        };
         assert_eq!(p.route(&t, &pinned).unwrap().variant.name(), "b");
-        let bad = RouteRequest { target_variant: Some("zz"), ..req(body) };
+        let bad = RouteRequest {
+            target_variant: Some("zz"),
+            ..req(body)
+        };
         assert_eq!(p.route(&t, &bad).unwrap_err().status(), 404);
-        let by_header = RouteRequest { endpoint: Some("nope"), ..req(body) };
-        assert_eq!(p.route(&t, &by_header).unwrap_err(), RouteError::UnknownEndpoint("nope".into()));
+        let by_header = RouteRequest {
+            endpoint: Some("nope"),
+            ..req(body)
+        };
+        assert_eq!(
+            p.route(&t, &by_header).unwrap_err(),
+            RouteError::UnknownEndpoint("nope".into())
+        );
         let no_model = br#"{"model":"llama","prompt":"x"}"#;
         assert_eq!(
             p.route(&t, &req(no_model)).unwrap_err(),
-            RouteError::NoEndpoint { model: Some("llama".into()) }
+            RouteError::NoEndpoint {
+                model: Some("llama".into())
+            }
         );
         let with_default = Placement::new(10, 125, Some("e".into()));
-        assert_eq!(with_default.route(&t, &req(no_model)).unwrap().endpoint.name(), "e");
+        assert_eq!(
+            with_default
+                .route(&t, &req(no_model))
+                .unwrap()
+                .endpoint
+                .name(),
+            "e"
+        );
         // both variants get traffic by weight
-        let names: std::collections::HashSet<&str> = (0..100).map(|_| p.route(&t, &req(body)).unwrap().variant.name()).collect();
+        let names: std::collections::HashSet<&str> = (0..100)
+            .map(|_| p.route(&t, &req(body)).unwrap().variant.name())
+            .collect();
         assert_eq!(names.len(), 2);
-        let empty = RoutingTable::try_from(table(1, "e", vec![variant("a", RoutingStrategy::Random, &[])])).unwrap();
+        let empty = RoutingTable::try_from(table(
+            1,
+            "e",
+            vec![variant("a", RoutingStrategy::Random, &[])],
+        ))
+        .unwrap();
         assert_eq!(p.route(&empty, &req(body)).unwrap_err().status(), 503);
     }
 }

@@ -50,7 +50,10 @@ pub struct PrefixIndex {
 
 impl std::fmt::Debug for PrefixIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefixIndex").field("capacity", &self.capacity()).field("len", &self.len()).finish()
+        f.debug_struct("PrefixIndex")
+            .field("capacity", &self.capacity())
+            .field("len", &self.len())
+            .finish()
     }
 }
 

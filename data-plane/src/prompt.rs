@@ -88,7 +88,12 @@ pub fn raw_key(body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
     let mut hasher = BlockHasher::new(seed);
     hasher.feed(region);
     let (hash, blocks) = hasher.finish();
-    PromptKey { hash, blocks, len: region.len() as u32, source: KeySource::Raw }
+    PromptKey {
+        hash,
+        blocks,
+        len: region.len() as u32,
+        source: KeySource::Raw,
+    }
 }
 
 /// The chained 64-byte block hash over a byte stream fed piece by piece; no allocation.
@@ -102,7 +107,12 @@ pub struct BlockHasher {
 
 impl BlockHasher {
     pub fn new(seed: u64) -> Self {
-        BlockHasher { buf: [0; BLOCK_BYTES], filled: 0, chain: seed, blocks: 0 }
+        BlockHasher {
+            buf: [0; BLOCK_BYTES],
+            filled: 0,
+            chain: seed,
+            blocks: 0,
+        }
     }
 
     pub fn feed(&mut self, mut data: &[u8]) {
@@ -131,7 +141,10 @@ impl BlockHasher {
     /// (key hash, number of blocks including a trailing partial one).
     pub fn finish(&self) -> (u64, u32) {
         if self.filled > 0 {
-            (xxh3_64_with_seed(&self.buf[..self.filled], self.chain), self.blocks + 1)
+            (
+                xxh3_64_with_seed(&self.buf[..self.filled], self.chain),
+                self.blocks + 1,
+            )
         } else {
             (self.chain, self.blocks)
         }
@@ -149,7 +162,13 @@ struct TextKey {
 
 impl TextKey {
     fn new(limit: usize, seed: u64) -> Self {
-        TextKey { hasher: BlockHasher::new(seed), remaining: limit, chars: 0, full: limit == 0, bad: false }
+        TextKey {
+            hasher: BlockHasher::new(seed),
+            remaining: limit,
+            chars: 0,
+            full: limit == 0,
+            bad: false,
+        }
     }
 
     /// Feeds whole characters (`piece` is a run of complete UTF-8 sequences, or ends where the
@@ -182,7 +201,12 @@ impl TextKey {
             return None;
         }
         let (hash, blocks) = self.hasher.finish();
-        Some(PromptKey { hash, blocks, len: self.chars as u32, source })
+        Some(PromptKey {
+            hash,
+            blocks,
+            len: self.chars as u32,
+            source,
+        })
     }
 }
 
@@ -205,7 +229,11 @@ fn count_chars(bytes: &[u8]) -> usize {
         }
     }
     continuation += sum_lanes(lanes);
-    continuation += words.remainder().iter().filter(|&&b| (b & 0xC0) == 0x80).count();
+    continuation += words
+        .remainder()
+        .iter()
+        .filter(|&&b| (b & 0xC0) == 0x80)
+        .count();
     bytes.len() - continuation
 }
 
@@ -450,7 +478,10 @@ impl Decoded {
     const CAP: usize = 512;
 
     fn new() -> Self {
-        Decoded { buf: [0; Decoded::CAP], len: 0 }
+        Decoded {
+            buf: [0; Decoded::CAP],
+            len: 0,
+        }
     }
 
     /// A run of raw bytes (whole characters, or the tail of the key region).
@@ -687,7 +718,11 @@ fn emit_parts(s: &mut Scan<'_>, key: &mut TextKey) -> Option<()> {
                         kind = Some(false); // already fed
                     } else if s.is(k, "text") {
                         s.ws();
-                        text = if s.peek()? == b'"' { Some(s.string()?) } else { None };
+                        text = if s.peek()? == b'"' {
+                            Some(s.string()?)
+                        } else {
+                            None
+                        };
                         if text.is_none() {
                             s.skip_value()?;
                         }
@@ -747,7 +782,11 @@ pub fn find_model(body: &[u8]) -> Option<Cow<'_, str>> {
 /// value the forward pass did not skip). Inside a JSON string every `"` is escaped, i.e. preceded
 /// by an odd run of backslashes, so strings are recognised from their end as well as their start.
 fn find_model_from_the_end(b: &[u8], floor: usize) -> Option<Cow<'_, str>> {
-    let mut r = Rev { b, pos: b.len(), floor };
+    let mut r = Rev {
+        b,
+        pos: b.len(),
+        floor,
+    };
     if !r.eat(b'}') {
         return None;
     }
@@ -767,12 +806,21 @@ fn find_model_from_the_end(b: &[u8], floor: usize) -> Option<Cow<'_, str>> {
         }
         let key_end = r.pos - 1;
         let key_start = r.string_start()?;
-        let key = Span { start: key_start + 1, end: key_end };
+        let key = Span {
+            start: key_start + 1,
+            end: key_end,
+        };
         if (Scan { b, pos: 0 }).is(key, "model") {
             if b[value_start] != b'"' {
                 return None;
             }
-            return decode(b, Span { start: value_start + 1, end: value_end - 1 });
+            return decode(
+                b,
+                Span {
+                    start: value_start + 1,
+                    end: value_end - 1,
+                },
+            );
         }
         if !r.eat(b',') {
             return None;
@@ -789,7 +837,8 @@ struct Rev<'a> {
 
 impl Rev<'_> {
     fn ws(&mut self) {
-        while self.pos > self.floor && matches!(self.b[self.pos - 1], b' ' | b'\n' | b'\r' | b'\t') {
+        while self.pos > self.floor && matches!(self.b[self.pos - 1], b' ' | b'\n' | b'\r' | b'\t')
+        {
             self.pos -= 1;
         }
     }
@@ -858,7 +907,10 @@ impl Rev<'_> {
             _ => {
                 let end = self.pos;
                 while self.pos > self.floor
-                    && !matches!(self.b[self.pos - 1], b',' | b':' | b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t')
+                    && !matches!(
+                        self.b[self.pos - 1],
+                        b',' | b':' | b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t'
+                    )
                 {
                     self.pos -= 1;
                 }
@@ -906,7 +958,10 @@ mod tests {
         let body = r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi there"},{"role":"assistant","content":"Hello"}]}"#;
         let k = chat(body, 4096);
         assert_eq!(k.source, KeySource::Chat);
-        assert_eq!(k.hash, text_hash("system\nBe brief.\nuser\nHi there\n", DEFAULT_SEED));
+        assert_eq!(
+            k.hash,
+            text_hash("system\nBe brief.\nuser\nHi there\n", DEFAULT_SEED)
+        );
         // content before role, array parts, escapes: same canonical text
         let body2 = r#"{"messages":[{"content":[{"text":"Be ","type":"text"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"brief."}],"role":"system"},{"role":"user","name":"u","content":"Hi\u0020there"}],"model":"m"}"#;
         assert_eq!(chat(body2, 4096).hash, k.hash);
@@ -914,7 +969,13 @@ mod tests {
 
     #[test]
     fn count_chars_counts_scalar_values() {
-        for text in ["", "a", "héllo wörld", &"é€😀a".repeat(700), &"x".repeat(5000)] {
+        for text in [
+            "",
+            "a",
+            "héllo wörld",
+            &"é€😀a".repeat(700),
+            &"x".repeat(5000),
+        ] {
             assert_eq!(count_chars(text.as_bytes()), text.chars().count(), "{text}");
         }
     }
@@ -951,7 +1012,10 @@ mod tests {
     #[test]
     fn completions_and_raw_bodies() {
         let k = chat(r#"{"prompt":"Once upon a time","max_tokens":5}"#, 4);
-        assert_eq!((k.source, k.hash), (KeySource::Completion, text_hash("Once", DEFAULT_SEED)));
+        assert_eq!(
+            (k.source, k.hash),
+            (KeySource::Completion, text_hash("Once", DEFAULT_SEED))
+        );
         let k = chat(r#"{"prompt":["Once upon","x"]}"#, 100);
         assert_eq!(k.hash, text_hash("Once upon", DEFAULT_SEED));
         // token ids: raw bytes
@@ -980,7 +1044,10 @@ mod tests {
             assert_eq!(k, raw_key(body.as_bytes(), 100, DEFAULT_SEED));
         }
         let invalid_utf8 = b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}";
-        assert_eq!(prompt_key(BodyKind::OpenAi, invalid_utf8, 100, 1).source, KeySource::Raw);
+        assert_eq!(
+            prompt_key(BodyKind::OpenAi, invalid_utf8, 100, 1).source,
+            KeySource::Raw
+        );
     }
 
     #[test]
@@ -1019,7 +1086,10 @@ mod tests {
 
     #[test]
     fn model_field_anywhere_at_top_level() {
-        assert_eq!(find_model(br#"{"model":"e1","messages":[]}"#).as_deref(), Some("e1"));
+        assert_eq!(
+            find_model(br#"{"model":"e1","messages":[]}"#).as_deref(),
+            Some("e1")
+        );
         assert_eq!(
             find_model(br#"{"messages":[{"role":"user","content":"{\"model\":\"no\"}"}],"tools":[{"model":"no"}],"model":"e\u0032"}"#)
                 .as_deref(),
@@ -1033,9 +1103,18 @@ mod tests {
                 .as_deref(),
             Some("e\"3")
         );
-        assert_eq!(find_model(br#"{"messages":[{"role":"user","content":"\"model\":\"no\""}],"n":1}"#), None);
-        assert_eq!(find_model(br#"{"messages":[{"role":"user","content":"x"}],"model":"e"#), None);
-        assert_eq!(find_model(br#"{"messages":[{"role":"user","content":"x"}],"model":7}"#), None);
+        assert_eq!(
+            find_model(br#"{"messages":[{"role":"user","content":"\"model\":\"no\""}],"n":1}"#),
+            None
+        );
+        assert_eq!(
+            find_model(br#"{"messages":[{"role":"user","content":"x"}],"model":"e"#),
+            None
+        );
+        assert_eq!(
+            find_model(br#"{"messages":[{"role":"user","content":"x"}],"model":7}"#),
+            None
+        );
         assert_eq!(find_model(br#"{"model":5}"#), None);
     }
 
@@ -1055,6 +1134,9 @@ mod tests {
         // The tail after the first user message is garbage: the key is still the chat key.
         let body = r#"{"messages":[{"role":"user","content":"hello"}, garbage"#;
         let k = chat(body, 100);
-        assert_eq!((k.source, k.hash), (KeySource::Chat, text_hash("user\nhello\n", DEFAULT_SEED)));
+        assert_eq!(
+            (k.source, k.hash),
+            (KeySource::Chat, text_hash("user\nhello\n", DEFAULT_SEED))
+        );
     }
 }

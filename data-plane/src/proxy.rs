@@ -85,36 +85,66 @@ impl Router {
         }
     }
 
-    pub(crate) async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<ResponseBody>, Infallible> {
+    pub(crate) async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ResponseBody>, Infallible> {
         let path = req.uri().path();
         let response = match path {
             "/v1/chat/completions" | "/v1/completions" => {
                 if req.method() != Method::POST {
                     return Ok(self.unrouted(None, 405, "use POST", "method_not_allowed"));
                 }
-                let upstream = req.uri().path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+                let upstream = req
+                    .uri()
+                    .path_and_query()
+                    .cloned()
+                    .unwrap_or_else(|| PathAndQuery::from_static("/"));
                 self.proxy(req, BodyKind::OpenAi, None, upstream).await
             }
             "/healthz" => json_response(200, r#"{"status":"ok"}"#),
             "/readyz" => match self.table.load().as_ref() {
-                Some(t) => json_response(200, format!(r#"{{"status":"ready","table_version":{}}}"#, t.version())),
-                None => self.unrouted(None, 503, "no routing table applied yet", "service_unavailable"),
+                Some(t) => json_response(
+                    200,
+                    format!(r#"{{"status":"ready","table_version":{}}}"#, t.version()),
+                ),
+                None => self.unrouted(
+                    None,
+                    503,
+                    "no routing table applied yet",
+                    "service_unavailable",
+                ),
             },
             "/metrics" => {
                 let table = self.table.load_full();
-                let text = self.metrics.render(table.as_deref(), self.placement.index().len());
+                let text = self
+                    .metrics
+                    .render(table.as_deref(), self.placement.index().len());
                 let mut r = Response::new(ResponseBody::full(text));
-                r.headers_mut()
-                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
                 r
             }
             _ => match invocation_endpoint(path) {
                 Some(Ok(name)) if req.method() == Method::POST => {
-                    self.proxy(req, BodyKind::Raw, Some(name), PathAndQuery::from_static("/invocations")).await
+                    self.proxy(
+                        req,
+                        BodyKind::Raw,
+                        Some(name),
+                        PathAndQuery::from_static("/invocations"),
+                    )
+                    .await
                 }
                 Some(Ok(_)) => self.unrouted(None, 405, "use POST", "method_not_allowed"),
                 Some(Err(msg)) => self.unrouted(None, 400, &msg, "invalid_request_error"),
-                None => self.unrouted(None, 404, &format!("no route for {path:?}"), "not_found_error"),
+                None => self.unrouted(
+                    None,
+                    404,
+                    &format!("no route for {path:?}"),
+                    "not_found_error",
+                ),
             },
         };
         Ok(response)
@@ -142,10 +172,14 @@ impl Router {
             otel.status_code = Empty,
         );
         if span.is_disabled() {
-            return self.route_and_forward(req, kind, path_endpoint, upstream_path, &span).await;
+            return self
+                .route_and_forward(req, kind, path_endpoint, upstream_path, &span)
+                .await;
         }
         telemetry::propagation::set_parent_from_headers(&span, req.headers());
-        let response = self.route_and_forward(req, kind, path_endpoint, upstream_path, &span).await;
+        let response = self
+            .route_and_forward(req, kind, path_endpoint, upstream_path, &span)
+            .await;
         record_status(&span, response.status());
         response
     }
@@ -160,28 +194,54 @@ impl Router {
     ) -> Response<ResponseBody> {
         let deadline = Instant::now() + self.request_timeout;
         let Some(table) = self.table.load_full() else {
-            return self.unrouted(None, 503, "no routing table applied yet", "service_unavailable");
+            return self.unrouted(
+                None,
+                503,
+                "no routing table applied yet",
+                "service_unavailable",
+            );
         };
         let (parts, body) = req.into_parts();
         let header = |name: &HeaderName| -> Result<Option<&str>, String> {
             match parts.headers.get(name) {
                 None => Ok(None),
-                Some(v) => v.to_str().map(Some).map_err(|_| format!("header {name} is not valid UTF-8 text")),
+                Some(v) => v
+                    .to_str()
+                    .map(Some)
+                    .map_err(|_| format!("header {name} is not valid UTF-8 text")),
             }
         };
-        let (endpoint_header, target_variant) = match (header(&X_ENDPOINT_NAME), header(&X_TARGET_VARIANT)) {
-            (Ok(e), Ok(v)) => (e, v),
-            (Err(msg), _) | (_, Err(msg)) => {
-                return self.unrouted(Some(&table), 400, &msg, "invalid_request_error");
-            }
-        };
-        let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        let (endpoint_header, target_variant) =
+            match (header(&X_ENDPOINT_NAME), header(&X_TARGET_VARIANT)) {
+                (Ok(e), Ok(v)) => (e, v),
+                (Err(msg), _) | (_, Err(msg)) => {
+                    return self.unrouted(Some(&table), 400, &msg, "invalid_request_error");
+                }
+            };
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         if declared.is_some_and(|len| len > self.max_body_bytes as u64) {
             return self.too_large(&table);
         }
-        let body = match tokio::time::timeout_at(deadline, Limited::new(body, self.max_body_bytes).collect()).await {
-            Err(_) => return self.unrouted(Some(&table), 504, "timed out reading the request body", "timeout_error"),
-            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return self.too_large(&table),
+        let body = match tokio::time::timeout_at(
+            deadline,
+            Limited::new(body, self.max_body_bytes).collect(),
+        )
+        .await
+        {
+            Err(_) => {
+                return self.unrouted(
+                    Some(&table),
+                    504,
+                    "timed out reading the request body",
+                    "timeout_error",
+                )
+            }
+            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                return self.too_large(&table)
+            }
             Ok(Err(e)) => {
                 let msg = format!("could not read the request body: {e}");
                 return self.unrouted(Some(&table), 400, &msg, "invalid_request_error");
@@ -200,16 +260,33 @@ impl Router {
         let route = match self.placement.route(&table, &request) {
             Ok(route) => route,
             Err(e) => {
-                let kind = if e.status() == 404 { "not_found_error" } else { "service_unavailable" };
+                let kind = if e.status() == 404 {
+                    "not_found_error"
+                } else {
+                    "service_unavailable"
+                };
                 return self.unrouted(Some(&table), e.status(), &e.to_string(), kind);
             }
         };
-        let in_flight = InFlight::start(route.variant.instances()[route.instance].state(), route.variant.load());
+        let in_flight = InFlight::start(
+            route.variant.instances()[route.instance].state(),
+            route.variant.load(),
+        );
         self.metrics.decision.observe(started.elapsed());
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
         }
-        self.forward(&table, route, &parts, body, in_flight, &upstream_path, deadline, span).await
+        self.forward(
+            &table,
+            route,
+            &parts,
+            body,
+            in_flight,
+            &upstream_path,
+            deadline,
+            span,
+        )
+        .await
     }
 
     /// Sends the request; on a connect error or a 5xx before any response byte, once more to the
@@ -233,7 +310,10 @@ impl Router {
             let mut request = match upstream_request(parts, instance.uri(upstream_path), &body) {
                 Ok(r) => r,
                 Err(e) => {
-                    let msg = format!("cannot build the upstream request for {}: {e}", instance.address());
+                    let msg = format!(
+                        "cannot build the upstream request for {}: {e}",
+                        instance.address()
+                    );
                     return self.routed_error(table, &route, 502, &msg, "upstream_error");
                 }
             };
@@ -252,26 +332,36 @@ impl Router {
                 telemetry::propagation::inject_headers(&upstream, request.headers_mut());
                 std::time::Instant::now()
             });
-            let failure = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
-                Err(_) => {
-                    let msg = format!("no response from {} within the request timeout", instance.address());
-                    record_failure(&upstream, "timeout");
-                    return self.routed_error(table, &route, 504, &msg, "timeout_error");
-                }
-                Ok(Ok(response)) if !response.status().is_server_error() => {
-                    instance.state().record_success();
-                    let trace = BodyTrace::start(span, upstream, sent, response.status());
-                    return self.respond(table, &route, response, in_flight, deadline, trace);
-                }
-                Ok(Ok(response)) => Err(response),
-                Ok(Err(e)) => Ok(e),
-            };
+            let failure =
+                match tokio::time::timeout_at(deadline, self.client.request(request)).await {
+                    Err(_) => {
+                        let msg = format!(
+                            "no response from {} within the request timeout",
+                            instance.address()
+                        );
+                        record_failure(&upstream, "timeout");
+                        return self.routed_error(table, &route, 504, &msg, "timeout_error");
+                    }
+                    Ok(Ok(response)) if !response.status().is_server_error() => {
+                        instance.state().record_success();
+                        let trace = BodyTrace::start(span, upstream, sent, response.status());
+                        return self.respond(table, &route, response, in_flight, deadline, trace);
+                    }
+                    Ok(Ok(response)) => Err(response),
+                    Ok(Err(e)) => Ok(e),
+                };
             if let Some(length) = instance.state().record_failure(now_ms()) {
                 self.metrics.ejections.fetch_add(1, Relaxed);
-                tracing::warn!(instance = instance.address(), ?length, "instance ejected after repeated failures");
+                tracing::warn!(
+                    instance = instance.address(),
+                    ?length,
+                    "instance ejected after repeated failures"
+                );
             }
             if !retried {
-                if let Some((next, decision)) = self.placement.choose(variant, route.key, Some(route.instance), now_ms())
+                if let Some((next, decision)) =
+                    self.placement
+                        .choose(variant, route.key, Some(route.instance), now_ms())
                 {
                     retried = true;
                     self.metrics.retries.fetch_add(1, Relaxed);
@@ -294,7 +384,11 @@ impl Router {
                     self.respond(table, &route, response, in_flight, deadline, trace)
                 }
                 Ok(e) => {
-                    let msg = format!("upstream {} failed: {}", instance.address(), error_chain(&e));
+                    let msg = format!(
+                        "upstream {} failed: {}",
+                        instance.address(),
+                        error_chain(&e)
+                    );
                     if !upstream.is_disabled() {
                         record_failure(&upstream, &msg);
                     }
@@ -316,9 +410,14 @@ impl Router {
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let instance = &route.variant.instances()[route.instance];
-        instance.stats().record(route.decision, parts.status.as_u16());
+        instance
+            .stats()
+            .record(route.decision, parts.status.as_u16());
         set_route_headers(&mut parts.headers, table, route);
-        Response::from_parts(parts, ResponseBody::upstream(body, in_flight, deadline, trace))
+        Response::from_parts(
+            parts,
+            ResponseBody::upstream(body, in_flight, deadline, trace),
+        )
     }
 
     fn routed_error(
@@ -329,19 +428,30 @@ impl Router {
         message: &str,
         kind: &str,
     ) -> Response<ResponseBody> {
-        route.variant.instances()[route.instance].stats().record(route.decision, status);
+        route.variant.instances()[route.instance]
+            .stats()
+            .record(route.decision, status);
         let mut r = error_response(status, message, kind);
         set_route_headers(r.headers_mut(), table, route);
         r
     }
 
     fn too_large(&self, table: &RoutingTable) -> Response<ResponseBody> {
-        let msg = format!("request body is larger than the limit of {} bytes", self.max_body_bytes);
+        let msg = format!(
+            "request body is larger than the limit of {} bytes",
+            self.max_body_bytes
+        );
         self.unrouted(Some(table), 413, &msg, "request_too_large")
     }
 
     /// An error answered before any instance was chosen.
-    fn unrouted(&self, table: Option<&RoutingTable>, status: u16, message: &str, kind: &str) -> Response<ResponseBody> {
+    fn unrouted(
+        &self,
+        table: Option<&RoutingTable>,
+        status: u16,
+        message: &str,
+        kind: &str,
+    ) -> Response<ResponseBody> {
         self.metrics.record_unrouted(status);
         let mut r = error_response(status, message, kind);
         let version = match table {
@@ -362,7 +472,10 @@ fn record_route(span: &Span, table: &RoutingTable, route: &Route<'_>, request_by
     span.record("variant", route.variant.name());
     span.record("strategy", route.variant.strategy().user_name());
     span.record("decision", route.decision.as_str());
-    span.record("instance", route.variant.instances()[route.instance].address());
+    span.record(
+        "instance",
+        route.variant.instances()[route.instance].address(),
+    );
     span.record("table_version", table.version() as i64);
     span.record("request_bytes", request_bytes as i64);
 }
@@ -394,19 +507,31 @@ pub(crate) struct BodyTrace {
 
 impl BodyTrace {
     /// `sent` is when the upstream request went out; `None` (span disabled) gives `None`.
-    fn start(route: &Span, upstream: Span, sent: Option<std::time::Instant>, status: StatusCode) -> Option<Box<Self>> {
+    fn start(
+        route: &Span,
+        upstream: Span,
+        sent: Option<std::time::Instant>,
+        status: StatusCode,
+    ) -> Option<Box<Self>> {
         let sent = sent?;
         upstream.record("status", i64::from(status.as_u16()));
         if status.is_server_error() {
             upstream.record("otel.status_code", "error");
         }
-        Some(Box::new(BodyTrace { upstream, route: route.clone(), sent, bytes: 0, first_byte: false }))
+        Some(Box::new(BodyTrace {
+            upstream,
+            route: route.clone(),
+            sent,
+            bytes: 0,
+            first_byte: false,
+        }))
     }
 
     fn on_data(&mut self, len: usize) {
         if !self.first_byte {
             self.first_byte = true;
-            self.upstream.record("ttfb_ms", self.sent.elapsed().as_secs_f64() * 1e3);
+            self.upstream
+                .record("ttfb_ms", self.sent.elapsed().as_secs_f64() * 1e3);
         }
         self.bytes += len as u64;
     }
@@ -419,7 +544,10 @@ impl Drop for BodyTrace {
 }
 
 fn set_route_headers(headers: &mut HeaderMap, table: &RoutingTable, route: &Route<'_>) {
-    headers.insert(X_INSTANCE, route.variant.instances()[route.instance].header().clone());
+    headers.insert(
+        X_INSTANCE,
+        route.variant.instances()[route.instance].header().clone(),
+    );
     headers.insert(X_VARIANT, route.variant.header().clone());
     headers.insert(X_TABLE_VERSION, table.version_header().clone());
     headers.insert(X_DECISION, route.decision.header());
@@ -427,7 +555,9 @@ fn set_route_headers(headers: &mut HeaderMap, table: &RoutingTable, route: &Rout
 
 /// `/endpoints/{name}/invocations` -> the percent-decoded name (`Err` for a name that is not UTF-8).
 fn invocation_endpoint(path: &str) -> Option<Result<String, String>> {
-    let raw = path.strip_prefix("/endpoints/")?.strip_suffix("/invocations")?;
+    let raw = path
+        .strip_prefix("/endpoints/")?
+        .strip_suffix("/invocations")?;
     if raw.is_empty() || raw.contains('/') {
         return None;
     }
@@ -436,10 +566,16 @@ fn invocation_endpoint(path: &str) -> Option<Result<String, String>> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok());
             match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
                 Some(b) => out.push(b),
-                None => return Some(Err(format!("bad percent-encoding in endpoint name {raw:?}"))),
+                None => {
+                    return Some(Err(format!(
+                        "bad percent-encoding in endpoint name {raw:?}"
+                    )))
+                }
             }
             i += 3;
         } else {
@@ -506,7 +642,10 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
 fn json_response(status: u16, body: impl Into<Bytes>) -> Response<ResponseBody> {
     let mut r = Response::new(ResponseBody::full(body));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -533,15 +672,27 @@ pub struct ResponseBody {
 
 enum Inner {
     Full(Option<Bytes>),
-    Upstream { body: Incoming, in_flight: Option<InFlight>, deadline: Pin<Box<Sleep>>, trace: Option<Box<BodyTrace>> },
+    Upstream {
+        body: Incoming,
+        in_flight: Option<InFlight>,
+        deadline: Pin<Box<Sleep>>,
+        trace: Option<Box<BodyTrace>>,
+    },
 }
 
 impl ResponseBody {
     pub fn full(bytes: impl Into<Bytes>) -> Self {
-        ResponseBody { kind: Inner::Full(Some(bytes.into())) }
+        ResponseBody {
+            kind: Inner::Full(Some(bytes.into())),
+        }
     }
 
-    fn upstream(body: Incoming, in_flight: InFlight, deadline: Instant, trace: Option<Box<BodyTrace>>) -> Self {
+    fn upstream(
+        body: Incoming,
+        in_flight: InFlight,
+        deadline: Instant,
+        trace: Option<Box<BodyTrace>>,
+    ) -> Self {
         ResponseBody {
             kind: Inner::Upstream {
                 body,
@@ -557,10 +708,18 @@ impl Body for ResponseBody {
     type Data = Bytes;
     type Error = BodyError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match &mut self.get_mut().kind {
             Inner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            Inner::Upstream { body, in_flight, deadline, trace } => {
+            Inner::Upstream {
+                body,
+                in_flight,
+                deadline,
+                trace,
+            } => {
                 if in_flight.is_none() {
                     return Poll::Ready(None);
                 }
@@ -604,7 +763,9 @@ impl Body for ResponseBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Inner::Full(b) => b.is_none(),
-            Inner::Upstream { body, in_flight, .. } => in_flight.is_none() || body.is_end_stream(),
+            Inner::Upstream {
+                body, in_flight, ..
+            } => in_flight.is_none() || body.is_end_stream(),
         }
     }
 
@@ -633,10 +794,22 @@ mod tests {
 
     #[test]
     fn invocation_paths() {
-        assert_eq!(invocation_endpoint("/endpoints/e1/invocations"), Some(Ok("e1".into())));
-        assert_eq!(invocation_endpoint("/endpoints/my%20ep/invocations"), Some(Ok("my ep".into())));
-        assert!(matches!(invocation_endpoint("/endpoints/%ff/invocations"), Some(Err(_))));
-        assert!(matches!(invocation_endpoint("/endpoints/%zz/invocations"), Some(Err(_))));
+        assert_eq!(
+            invocation_endpoint("/endpoints/e1/invocations"),
+            Some(Ok("e1".into()))
+        );
+        assert_eq!(
+            invocation_endpoint("/endpoints/my%20ep/invocations"),
+            Some(Ok("my ep".into()))
+        );
+        assert!(matches!(
+            invocation_endpoint("/endpoints/%ff/invocations"),
+            Some(Err(_))
+        ));
+        assert!(matches!(
+            invocation_endpoint("/endpoints/%zz/invocations"),
+            Some(Err(_))
+        ));
         assert_eq!(invocation_endpoint("/endpoints//invocations"), None);
         assert_eq!(invocation_endpoint("/endpoints/a/b/invocations"), None);
         assert_eq!(invocation_endpoint("/other"), None);
@@ -646,7 +819,9 @@ mod tests {
     fn error_body_shape() {
         let r = error_response(404, "unknown endpoint \"x\"", "not_found_error");
         assert_eq!(r.status(), 404);
-        let Inner::Full(Some(b)) = &r.body().kind else { panic!() };
+        let Inner::Full(Some(b)) = &r.body().kind else {
+            panic!()
+        };
         let v: serde_json::Value = serde_json::from_slice(b).unwrap();
         assert_eq!(v["error"]["message"], "unknown endpoint \"x\"");
         assert_eq!(v["error"]["type"], "not_found_error");

@@ -34,23 +34,57 @@ pub enum TableError {
     DuplicateVariant { endpoint: String, variant: String },
     #[error("{field} {value:?} contains control characters")]
     ControlCharacters { field: &'static str, value: String },
-    #[error("endpoint {endpoint:?} variant {variant:?}: weight {weight} must be a finite number > 0")]
-    BadWeight { endpoint: String, variant: String, weight: f32 },
+    #[error(
+        "endpoint {endpoint:?} variant {variant:?}: weight {weight} must be a finite number > 0"
+    )]
+    BadWeight {
+        endpoint: String,
+        variant: String,
+        weight: f32,
+    },
     #[error(
         "endpoint {endpoint:?} variant {variant:?}: unknown routing strategy {value} (expected {})",
         proto::RoutingStrategy::USER_NAMES
     )]
-    UnknownStrategy { endpoint: String, variant: String, value: i32 },
-    #[error("endpoint {endpoint:?} variant {variant:?}: prefix_length {value} out of range 64..=65536")]
-    BadPrefixLength { endpoint: String, variant: String, value: u32 },
+    UnknownStrategy {
+        endpoint: String,
+        variant: String,
+        value: i32,
+    },
+    #[error(
+        "endpoint {endpoint:?} variant {variant:?}: prefix_length {value} out of range 64..=65536"
+    )]
+    BadPrefixLength {
+        endpoint: String,
+        variant: String,
+        value: u32,
+    },
     #[error("endpoint {endpoint:?} variant {variant:?}: concurrency_threshold {value} out of range 1..=4096")]
-    BadConcurrencyThreshold { endpoint: String, variant: String, value: u32 },
+    BadConcurrencyThreshold {
+        endpoint: String,
+        variant: String,
+        value: u32,
+    },
     #[error("endpoint {endpoint:?} variant {variant:?}: instances[{index}].instance_id is empty")]
-    EmptyInstanceId { endpoint: String, variant: String, index: usize },
+    EmptyInstanceId {
+        endpoint: String,
+        variant: String,
+        index: usize,
+    },
     #[error("endpoint {endpoint:?} variant {variant:?}: duplicate instance id {instance:?}")]
-    DuplicateInstance { endpoint: String, variant: String, instance: String },
+    DuplicateInstance {
+        endpoint: String,
+        variant: String,
+        instance: String,
+    },
     #[error("endpoint {endpoint:?} variant {variant:?}: bad instance URL {address:?} for instance {instance:?}: {reason}")]
-    BadInstanceUrl { endpoint: String, variant: String, instance: String, address: String, reason: String },
+    BadInstanceUrl {
+        endpoint: String,
+        variant: String,
+        instance: String,
+        address: String,
+        reason: String,
+    },
 }
 
 /// How a variant picks an instance.
@@ -238,7 +272,10 @@ impl RoutingTable {
 
     /// Validates a wire table and builds it, reusing the load state, health and counters of
     /// instances that `previous` already had.
-    pub fn build(wire: proto::RoutingTable, previous: Option<&RoutingTable>) -> Result<Self, TableError> {
+    pub fn build(
+        wire: proto::RoutingTable,
+        previous: Option<&RoutingTable>,
+    ) -> Result<Self, TableError> {
         // State of every previous instance by id, built only if an instance is not found in its
         // own previous variant (new, or moved between variants).
         let mut old_states: Option<HashMap<&str, &Arc<InstanceState>>> = None;
@@ -271,10 +308,16 @@ impl RoutingTable {
             for (vi, v) in e.variants.iter().enumerate() {
                 let endpoint = &e.endpoint_name;
                 if v.variant_name.is_empty() {
-                    return Err(TableError::EmptyVariantName { endpoint: endpoint.clone(), index: vi });
+                    return Err(TableError::EmptyVariantName {
+                        endpoint: endpoint.clone(),
+                        index: vi,
+                    });
                 }
                 no_control_chars("variant_name", &v.variant_name)?;
-                if e.variants[..vi].iter().any(|o| o.variant_name == v.variant_name) {
+                if e.variants[..vi]
+                    .iter()
+                    .any(|o| o.variant_name == v.variant_name)
+                {
                     return Err(TableError::DuplicateVariant {
                         endpoint: endpoint.clone(),
                         variant: v.variant_name.clone(),
@@ -283,7 +326,11 @@ impl RoutingTable {
                 let ctx = || (endpoint.clone(), v.variant_name.clone());
                 if !(v.weight.is_finite() && v.weight > 0.0) {
                     let (endpoint, variant) = ctx();
-                    return Err(TableError::BadWeight { endpoint, variant, weight: v.weight });
+                    return Err(TableError::BadWeight {
+                        endpoint,
+                        variant,
+                        weight: v.weight,
+                    });
                 }
                 let strategy = strategy(v, ctx)?;
                 let prev_variant = prev_endpoint.and_then(|p| p.variant(&v.variant_name));
@@ -296,11 +343,19 @@ impl RoutingTable {
                     let id = inst.instance_id.as_str();
                     if id.is_empty() {
                         let (endpoint, variant) = ctx();
-                        return Err(TableError::EmptyInstanceId { endpoint, variant, index: ii });
+                        return Err(TableError::EmptyInstanceId {
+                            endpoint,
+                            variant,
+                            index: ii,
+                        });
                     }
                     if !seen.insert(id) {
                         let (endpoint, variant) = ctx();
-                        return Err(TableError::DuplicateInstance { endpoint, variant, instance: id.to_string() });
+                        return Err(TableError::DuplicateInstance {
+                            endpoint,
+                            variant,
+                            instance: id.to_string(),
+                        });
                     }
                     let prev = prev_instances.get(id).copied();
                     let state = new_states
@@ -339,11 +394,13 @@ impl RoutingTable {
                                     reason,
                                 }
                             };
-                            let (scheme, authority, base_path) = parse_address(&inst.address).map_err(bad_url)?;
+                            let (scheme, authority, base_path) =
+                                parse_address(&inst.address).map_err(bad_url)?;
                             Instance {
                                 id: id.into(),
                                 id_hash: xxh3_64(id.as_bytes()),
-                                header: HeaderValue::from_str(address).map_err(|e| bad_url(e.to_string()))?,
+                                header: HeaderValue::from_str(address)
+                                    .map_err(|e| bad_url(e.to_string()))?,
                                 address: address.into(),
                                 scheme,
                                 authority,
@@ -359,9 +416,11 @@ impl RoutingTable {
                 cumulative.push(sum);
                 let name: Arc<str> = v.variant_name.as_str().into();
                 variants.push(Variant {
-                    header: HeaderValue::from_str(&name).map_err(|_| TableError::ControlCharacters {
-                        field: "variant_name",
-                        value: v.variant_name.clone(),
+                    header: HeaderValue::from_str(&name).map_err(|_| {
+                        TableError::ControlCharacters {
+                            field: "variant_name",
+                            value: v.variant_name.clone(),
+                        }
                     })?,
                     salt: xxh3_64(format!("{}\0{}", e.endpoint_name, v.variant_name).as_bytes()),
                     id_hashes: instances.iter().map(|i| i.id_hash).collect(),
@@ -384,7 +443,11 @@ impl RoutingTable {
                 },
             );
         }
-        Ok(RoutingTable { version: wire.version, version_header: HeaderValue::from(wire.version), endpoints })
+        Ok(RoutingTable {
+            version: wire.version,
+            version_header: HeaderValue::from(wire.version),
+            endpoints,
+        })
     }
 }
 
@@ -397,27 +460,47 @@ impl TryFrom<proto::RoutingTable> for RoutingTable {
 
 fn no_control_chars(field: &'static str, value: &str) -> Result<(), TableError> {
     if value.chars().any(|c| c.is_control()) {
-        return Err(TableError::ControlCharacters { field, value: value.to_string() });
+        return Err(TableError::ControlCharacters {
+            field,
+            value: value.to_string(),
+        });
     }
     Ok(())
 }
 
-fn strategy(v: &proto::VariantRoutes, ctx: impl Fn() -> (String, String)) -> Result<Strategy, TableError> {
+fn strategy(
+    v: &proto::VariantRoutes,
+    ctx: impl Fn() -> (String, String),
+) -> Result<Strategy, TableError> {
     let config = v.routing_config.as_ref();
     let raw = config.map_or(0, |c| c.routing_strategy);
     let kind = proto::RoutingStrategy::try_from(raw).map_err(|_| {
         let (endpoint, variant) = ctx();
-        TableError::UnknownStrategy { endpoint, variant, value: raw }
+        TableError::UnknownStrategy {
+            endpoint,
+            variant,
+            value: raw,
+        }
     })?;
     Ok(match kind {
         proto::RoutingStrategy::Unspecified | proto::RoutingStrategy::Random => Strategy::Random,
         proto::RoutingStrategy::LeastOutstandingRequests => Strategy::LeastOutstandingRequests,
         proto::RoutingStrategy::PrefixAware => {
-            let pa = config.and_then(|c| c.prefix_aware_routing_config).unwrap_or_default();
-            let prefix_length = if pa.prefix_length == 0 { DEFAULT_PREFIX_LENGTH } else { pa.prefix_length };
+            let pa = config
+                .and_then(|c| c.prefix_aware_routing_config)
+                .unwrap_or_default();
+            let prefix_length = if pa.prefix_length == 0 {
+                DEFAULT_PREFIX_LENGTH
+            } else {
+                pa.prefix_length
+            };
             if !PREFIX_LENGTH_RANGE.contains(&prefix_length) {
                 let (endpoint, variant) = ctx();
-                return Err(TableError::BadPrefixLength { endpoint, variant, value: prefix_length });
+                return Err(TableError::BadPrefixLength {
+                    endpoint,
+                    variant,
+                    value: prefix_length,
+                });
             }
             let concurrency_threshold = if pa.concurrency_threshold == 0 {
                 DEFAULT_CONCURRENCY_THRESHOLD
@@ -426,16 +509,25 @@ fn strategy(v: &proto::VariantRoutes, ctx: impl Fn() -> (String, String)) -> Res
             };
             if !CONCURRENCY_THRESHOLD_RANGE.contains(&concurrency_threshold) {
                 let (endpoint, variant) = ctx();
-                return Err(TableError::BadConcurrencyThreshold { endpoint, variant, value: concurrency_threshold });
+                return Err(TableError::BadConcurrencyThreshold {
+                    endpoint,
+                    variant,
+                    value: concurrency_threshold,
+                });
             }
-            Strategy::PrefixAware(PrefixAware { prefix_length, concurrency_threshold })
+            Strategy::PrefixAware(PrefixAware {
+                prefix_length,
+                concurrency_threshold,
+            })
         }
     })
 }
 
 /// `http://host:port[/base]` -> parts. Only plain HTTP: the router has no TLS client.
 fn parse_address(address: &str) -> Result<(Scheme, Authority, Arc<str>), String> {
-    let uri: http::Uri = address.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
+    let uri: http::Uri = address
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| e.to_string())?;
     let parts = uri.into_parts();
     match parts.scheme {
         Some(ref s) if *s == Scheme::HTTP => {}
@@ -460,9 +552,15 @@ fn parse_address(address: &str) -> Result<(Scheme, Authority, Arc<str>), String>
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use proto::{EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes};
+    use proto::{
+        EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes,
+    };
 
-    pub(crate) fn variant(name: &str, strategy: RoutingStrategy, addresses: &[&str]) -> VariantRoutes {
+    pub(crate) fn variant(
+        name: &str,
+        strategy: RoutingStrategy,
+        addresses: &[&str],
+    ) -> VariantRoutes {
         VariantRoutes {
             variant_name: name.into(),
             model_name: "m".into(),
@@ -476,12 +574,19 @@ pub(crate) mod tests {
             }),
             instances: addresses
                 .iter()
-                .map(|a| proto::Instance { instance_id: a.to_string(), address: a.to_string() })
+                .map(|a| proto::Instance {
+                    instance_id: a.to_string(),
+                    address: a.to_string(),
+                })
                 .collect(),
         }
     }
 
-    pub(crate) fn table(version: u64, endpoint: &str, variants: Vec<VariantRoutes>) -> proto::RoutingTable {
+    pub(crate) fn table(
+        version: u64,
+        endpoint: &str,
+        variants: Vec<VariantRoutes>,
+    ) -> proto::RoutingTable {
         proto::RoutingTable {
             version,
             endpoints: vec![EndpointRoutes {
@@ -494,14 +599,30 @@ pub(crate) mod tests {
     }
 
     fn err(mut f: impl FnMut(&mut proto::RoutingTable)) -> String {
-        let mut t = table(1, "e", vec![variant("v1", RoutingStrategy::PrefixAware, &["http://127.0.0.1:1"])]);
+        let mut t = table(
+            1,
+            "e",
+            vec![variant(
+                "v1",
+                RoutingStrategy::PrefixAware,
+                &["http://127.0.0.1:1"],
+            )],
+        );
         f(&mut t);
         RoutingTable::try_from(t).unwrap_err().to_string()
     }
 
     #[test]
     fn valid_table_builds_with_defaults() {
-        let mut wire = table(3, "e", vec![variant("v1", RoutingStrategy::Unspecified, &["http://a:1/", "http://b:2/base"])]);
+        let mut wire = table(
+            3,
+            "e",
+            vec![variant(
+                "v1",
+                RoutingStrategy::Unspecified,
+                &["http://a:1/", "http://b:2/base"],
+            )],
+        );
         wire.endpoints[0].variants[0].routing_config = None;
         let t = RoutingTable::try_from(wire).unwrap();
         assert_eq!(t.version(), 3);
@@ -509,15 +630,32 @@ pub(crate) mod tests {
         assert_eq!(v.strategy(), Strategy::Random);
         assert_eq!(v.instances()[0].address(), "http://a:1");
         let pq = PathAndQuery::from_static("/v1/completions?x=1");
-        assert_eq!(v.instances()[1].uri(&pq).unwrap().to_string(), "http://b:2/base/v1/completions?x=1");
-        assert_eq!(v.instances()[0].uri(&pq).unwrap().to_string(), "http://a:1/v1/completions?x=1");
+        assert_eq!(
+            v.instances()[1].uri(&pq).unwrap().to_string(),
+            "http://b:2/base/v1/completions?x=1"
+        );
+        assert_eq!(
+            v.instances()[0].uri(&pq).unwrap().to_string(),
+            "http://a:1/v1/completions?x=1"
+        );
 
-        let mut wire = table(3, "e", vec![variant("v1", RoutingStrategy::PrefixAware, &["http://a:1"])]);
-        wire.endpoints[0].variants[0].routing_config.as_mut().unwrap().prefix_aware_routing_config = None;
+        let mut wire = table(
+            3,
+            "e",
+            vec![variant("v1", RoutingStrategy::PrefixAware, &["http://a:1"])],
+        );
+        wire.endpoints[0].variants[0]
+            .routing_config
+            .as_mut()
+            .unwrap()
+            .prefix_aware_routing_config = None;
         let t = RoutingTable::try_from(wire).unwrap();
         assert_eq!(
             t.endpoint("e").unwrap().variants()[0].strategy(),
-            Strategy::PrefixAware(PrefixAware { prefix_length: 2048, concurrency_threshold: 64 })
+            Strategy::PrefixAware(PrefixAware {
+                prefix_length: 2048,
+                concurrency_threshold: 64
+            })
         );
     }
 
@@ -603,14 +741,33 @@ pub(crate) mod tests {
 
     #[test]
     fn rebuild_reuses_state_of_instances_still_there() {
-        let wire = table(1, "e", vec![variant("v1", RoutingStrategy::Random, &["http://a:1", "http://b:1"])]);
+        let wire = table(
+            1,
+            "e",
+            vec![variant(
+                "v1",
+                RoutingStrategy::Random,
+                &["http://a:1", "http://b:1"],
+            )],
+        );
         let t1 = RoutingTable::try_from(wire).unwrap();
         let v1 = &t1.endpoint("e").unwrap().variants()[0];
         let _held = crate::load::InFlight::start(v1.instances()[0].state(), v1.load());
-        let wire2 = table(2, "e", vec![variant("v1", RoutingStrategy::LeastOutstandingRequests, &["http://c:1", "http://a:1"])]);
+        let wire2 = table(
+            2,
+            "e",
+            vec![variant(
+                "v1",
+                RoutingStrategy::LeastOutstandingRequests,
+                &["http://c:1", "http://a:1"],
+            )],
+        );
         let t2 = RoutingTable::build(wire2, Some(&t1)).unwrap();
         let v2 = &t2.endpoint("e").unwrap().variants()[0];
-        assert!(Arc::ptr_eq(v2.instances()[1].state(), v1.instances()[0].state()));
+        assert!(Arc::ptr_eq(
+            v2.instances()[1].state(),
+            v1.instances()[0].state()
+        ));
         assert_eq!(v2.instances()[1].state().outstanding(), 1);
         assert_eq!(v2.instances()[0].state().outstanding(), 0);
         assert_eq!(v2.load().outstanding(), 1);

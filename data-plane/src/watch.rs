@@ -32,7 +32,11 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub(crate) fn new(base: Duration, max: Duration) -> Self {
-        Backoff { base, max, next: base }
+        Backoff {
+            base,
+            max,
+            next: base,
+        }
     }
 
     pub(crate) fn next_delay(&mut self) -> Duration {
@@ -85,10 +89,20 @@ pub(crate) async fn run(router: Arc<Router>, url: String, node_id: String, cache
     let mut backoff = Backoff::new(BACKOFF_BASE, BACKOFF_MAX);
     let mut failures = 0u32;
     loop {
-        let result = watch_once(&router, &url, &node_id, cache.as_deref(), &mut backoff, &mut failures).await;
+        let result = watch_once(
+            &router,
+            &url,
+            &node_id,
+            cache.as_deref(),
+            &mut backoff,
+            &mut failures,
+        )
+        .await;
         router.metrics.control_plane_connected.store(0, Relaxed);
         match result {
-            Ok(()) => tracing::info!(control_plane = %url, "routing-table stream closed by the control plane"),
+            Ok(()) => {
+                tracing::info!(control_plane = %url, "routing-table stream closed by the control plane")
+            }
             Err(e) if e.is_fatal() => {
                 tracing::error!(control_plane = %url, "routing-table watch: {e}; retrying every {BACKOFF_MAX:?}");
                 backoff.max_out();
@@ -123,7 +137,8 @@ async fn watch_once(
         .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true);
     let channel = endpoint.connect().await.map_err(WatchError::Connect)?;
-    let mut client = RoutingDiscoveryClient::new(channel).max_decoding_message_size(MAX_TABLE_BYTES);
+    let mut client =
+        RoutingDiscoveryClient::new(channel).max_decoding_message_size(MAX_TABLE_BYTES);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let held = router.table.load().as_ref().map_or(0, |t| t.version());
     // The channel has room: the first message is queued before the call starts.
@@ -132,7 +147,10 @@ async fn watch_once(
         applied_version: held,
         ..Default::default()
     });
-    let mut inbound = client.watch_routing_table(ReceiverStream::new(rx)).await?.into_inner();
+    let mut inbound = client
+        .watch_routing_table(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
     router.metrics.control_plane_connected.store(1, Relaxed);
     if *failures > 0 {
         tracing::info!(control_plane = %url, "routing-table watch reconnected");
@@ -146,7 +164,8 @@ async fn watch_once(
         }
         if let (Some(path), Some(bytes)) = (cache, applied) {
             let path = path.to_path_buf();
-            let written = tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
+            let written =
+                tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
             if let Ok(Err(e)) = written {
                 tracing::warn!("cannot write the table cache: {e}");
             }
@@ -156,7 +175,11 @@ async fn watch_once(
 }
 
 /// Applies one response; returns the ACK/NACK and, for a newly applied table, its encoding.
-fn apply(router: &Router, node_id: &str, response: WatchRoutingTableResponse) -> (WatchRoutingTableRequest, Option<Bytes>) {
+fn apply(
+    router: &Router,
+    node_id: &str,
+    response: WatchRoutingTableResponse,
+) -> (WatchRoutingTableRequest, Option<Bytes>) {
     let current = router.table.load_full();
     let held = current.as_ref().map_or(0, |t| t.version());
     let encoded = response.routing_table.clone();
@@ -164,7 +187,9 @@ fn apply(router: &Router, node_id: &str, response: WatchRoutingTableResponse) ->
         if current.is_some() && wire.version == held {
             return Ok(None); // already serving it (e.g. a resend after reconnect)
         }
-        RoutingTable::build(wire, current.as_deref()).map(Some).map_err(|e| e.to_string())
+        RoutingTable::build(wire, current.as_deref())
+            .map(Some)
+            .map_err(|e| e.to_string())
     });
     let answer = |applied_version, error_detail| WatchRoutingTableRequest {
         node_id: node_id.to_string(),
@@ -182,15 +207,23 @@ fn apply(router: &Router, node_id: &str, response: WatchRoutingTableResponse) ->
         Ok(None) => (answer(held, String::new()), None),
         Err(detail) => {
             router.metrics.tables_rejected.fetch_add(1, Relaxed);
-            tracing::warn!(version = response.version, held, "routing table rejected: {detail}");
+            tracing::warn!(
+                version = response.version,
+                held,
+                "routing table rejected: {detail}"
+            );
             (answer(held, detail), None)
         }
     }
 }
 
 fn decode(response: &WatchRoutingTableResponse) -> Result<proto::RoutingTable, String> {
-    let mut wire = proto::RoutingTable::decode(response.routing_table.clone())
-        .map_err(|e| format!("cannot decode routing_table of version {}: {e}", response.version))?;
+    let mut wire = proto::RoutingTable::decode(response.routing_table.clone()).map_err(|e| {
+        format!(
+            "cannot decode routing_table of version {}: {e}",
+            response.version
+        )
+    })?;
     if wire.version == 0 {
         wire.version = response.version;
     } else if response.version != 0 && wire.version != response.version {
@@ -220,7 +253,8 @@ pub(crate) fn load_cache(router: &Router, path: &Path) -> Result<Option<u64>, St
     };
     let wire = proto::RoutingTable::decode(bytes.as_slice())
         .map_err(|e| format!("cannot decode table cache {}: {e}", path.display()))?;
-    let table = RoutingTable::build(wire, None).map_err(|e| format!("invalid table cache {}: {e}", path.display()))?;
+    let table = RoutingTable::build(wire, None)
+        .map_err(|e| format!("invalid table cache {}: {e}", path.display()))?;
     let version = table.version();
     store(router, table);
     Ok(Some(version))
@@ -256,9 +290,15 @@ mod tests {
             let d = b.next_delay();
             ceilings.push(d);
         }
-        assert!(ceilings[0] >= Duration::from_millis(50) && ceilings[0] <= Duration::from_millis(100));
-        assert!(ceilings[1] >= Duration::from_millis(100) && ceilings[1] <= Duration::from_millis(200));
-        assert!(ceilings[9] >= Duration::from_millis(2500) && ceilings[9] <= Duration::from_secs(5));
+        assert!(
+            ceilings[0] >= Duration::from_millis(50) && ceilings[0] <= Duration::from_millis(100)
+        );
+        assert!(
+            ceilings[1] >= Duration::from_millis(100) && ceilings[1] <= Duration::from_millis(200)
+        );
+        assert!(
+            ceilings[9] >= Duration::from_millis(2500) && ceilings[9] <= Duration::from_secs(5)
+        );
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));
     }

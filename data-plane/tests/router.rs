@@ -22,20 +22,36 @@ async fn proxies_with_contract_headers_and_acks_each_table() {
     let b = backends(2).await;
     let router = RouterHandle::watching(&cp, "node-a").await;
     let hello = cp.next_request().await;
-    assert_eq!((hello.node_id.as_str(), hello.applied_version), ("node-a", 0));
+    assert_eq!(
+        (hello.node_id.as_str(), hello.applied_version),
+        ("node-a", 0)
+    );
     assert_eq!(get(&router.url("/readyz")).await.status, 503);
     assert_eq!(get(&router.url("/healthz")).await.status, 200);
 
-    cp.push(simple_table(1, strategy(RoutingStrategy::Random), &urls(&b)));
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &urls(&b),
+    ));
     let ack = cp.ack(1).await;
     assert_eq!(ack.node_id, "node-a");
     assert!(!ack.response_nonce.is_empty());
     router.wait_version(1).await;
 
     let body = chat(&[("user", "hello")]);
-    let r = post(&router.url("/v1/chat/completions?trace=1"), &[("x-endpoint-name", "e")], body.clone()).await;
+    let r = post(
+        &router.url("/v1/chat/completions?trace=1"),
+        &[("x-endpoint-name", "e")],
+        body.clone(),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    assert!(urls(&b).iter().any(|u| u == r.instance()), "{}", r.instance());
+    assert!(
+        urls(&b).iter().any(|u| u == r.instance()),
+        "{}",
+        r.instance()
+    );
     assert_eq!(r.header("x-prefix-router-variant"), "v1");
     assert_eq!(r.header("x-prefix-router-table-version"), "1");
     assert_eq!(r.decision(), "random");
@@ -44,13 +60,25 @@ async fn proxies_with_contract_headers_and_acks_each_table() {
     let served_by = b.iter().find(|x| x.url == r.instance()).unwrap();
     let (_, headers, forwarded) = served_by.last_request.lock().unwrap().clone().unwrap();
     assert_eq!(forwarded, Bytes::from(body));
-    assert_eq!(headers.get("host").map(String::as_str), Some(served_by.addr.to_string().as_str()));
+    assert_eq!(
+        headers.get("host").map(String::as_str),
+        Some(served_by.addr.to_string().as_str())
+    );
 
     // a new table swaps strategies without a restart
-    cp.push(simple_table(2, strategy(RoutingStrategy::LeastOutstandingRequests), &urls(&b)));
+    cp.push(simple_table(
+        2,
+        strategy(RoutingStrategy::LeastOutstandingRequests),
+        &urls(&b),
+    ));
     cp.ack(2).await;
     router.wait_version(2).await;
-    let r = post(&router.url("/v1/completions"), &[], r#"{"model":"e","prompt":"hi"}"#).await;
+    let r = post(
+        &router.url("/v1/completions"),
+        &[],
+        r#"{"model":"e","prompt":"hi"}"#,
+    )
+    .await;
     assert_eq!((r.status, r.decision()), (200, "least_outstanding"));
     assert_eq!(r.header("x-prefix-router-table-version"), "2");
     router.shutdown().await;
@@ -59,7 +87,11 @@ async fn proxies_with_contract_headers_and_acks_each_table() {
 #[tokio::test]
 async fn endpoint_choice_by_header_model_default_path_and_variant() {
     let cp = MockControlPlane::start().await;
-    let (a, bb, c) = (Backend::start("a").await, Backend::start("b").await, Backend::start("c").await);
+    let (a, bb, c) = (
+        Backend::start("a").await,
+        Backend::start("b").await,
+        Backend::start("c").await,
+    );
     let random = || strategy(RoutingStrategy::Random);
     cp.push(table(
         1,
@@ -67,7 +99,10 @@ async fn endpoint_choice_by_header_model_default_path_and_variant() {
             endpoint("e1", vec![variant("v1", random(), &[a.url.as_str()])]),
             endpoint(
                 "e2",
-                vec![variant("blue", random(), &[bb.url.as_str()]), variant("green", random(), &[c.url.as_str()])],
+                vec![
+                    variant("blue", random(), &[bb.url.as_str()]),
+                    variant("green", random(), &[c.url.as_str()]),
+                ],
             ),
         ],
     ));
@@ -82,35 +117,71 @@ async fn endpoint_choice_by_header_model_default_path_and_variant() {
     strict.wait_version(1).await;
 
     let chat_url = router.url("/v1/chat/completions");
-    let body = |model: &str| format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+    let body = |model: &str| {
+        format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#)
+    };
     // header wins over model
     let r = post(&chat_url, &[("x-endpoint-name", "e1")], body("e2")).await;
     assert_eq!(r.instance(), a.url);
     // model names an endpoint (after the messages, as the OpenAI client sends it)
-    let r = post(&chat_url, &[], r#"{"messages":[{"role":"user","content":"x"}],"model":"e1"}"#).await;
+    let r = post(
+        &chat_url,
+        &[],
+        r#"{"messages":[{"role":"user","content":"x"}],"model":"e1"}"#,
+    )
+    .await;
     assert_eq!(r.instance(), a.url);
     // model names no endpoint: --default-endpoint
     let r = post(&chat_url, &[], body("llama-3")).await;
     assert_eq!(r.instance(), a.url);
     // ... and without a default: 404
-    post(&strict.url("/v1/chat/completions"), &[], body("llama-3")).await.assert_error(404, "not_found_error");
-    post(&chat_url, &[("x-endpoint-name", "nope")], body("e1")).await.assert_error(404, "not_found_error");
+    post(&strict.url("/v1/chat/completions"), &[], body("llama-3"))
+        .await
+        .assert_error(404, "not_found_error");
+    post(&chat_url, &[("x-endpoint-name", "nope")], body("e1"))
+        .await
+        .assert_error(404, "not_found_error");
     // variants: pinned, unknown, weighted
     let r = post(&chat_url, &[("x-target-variant", "green")], body("e2")).await;
-    assert_eq!((r.instance(), r.header("x-prefix-router-variant")), (c.url.as_str(), "green"));
-    post(&chat_url, &[("x-target-variant", "red")], body("e2")).await.assert_error(404, "not_found_error");
+    assert_eq!(
+        (r.instance(), r.header("x-prefix-router-variant")),
+        (c.url.as_str(), "green")
+    );
+    post(&chat_url, &[("x-target-variant", "red")], body("e2"))
+        .await
+        .assert_error(404, "not_found_error");
     let mut seen = HashSet::new();
     for _ in 0..60 {
-        seen.insert(post(&chat_url, &[], body("e2")).await.header("x-prefix-router-variant").to_string());
+        seen.insert(
+            post(&chat_url, &[], body("e2"))
+                .await
+                .header("x-prefix-router-variant")
+                .to_string(),
+        );
     }
-    assert_eq!(seen, ["blue".to_string(), "green".to_string()].into_iter().collect());
+    assert_eq!(
+        seen,
+        ["blue".to_string(), "green".to_string()]
+            .into_iter()
+            .collect()
+    );
     // SageMaker-style invocations: raw bytes to /invocations
     let raw: Vec<u8> = (0..=255u8).collect();
-    let r = post(&router.url("/endpoints/e1/invocations"), &[("content-type", "application/octet-stream")], raw.clone()).await;
-    assert_eq!((r.status, r.json()["path"].as_str()), (200, Some("/invocations")));
+    let r = post(
+        &router.url("/endpoints/e1/invocations"),
+        &[("content-type", "application/octet-stream")],
+        raw.clone(),
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.json()["path"].as_str()),
+        (200, Some("/invocations"))
+    );
     let (_, _, forwarded) = a.last_request.lock().unwrap().clone().unwrap();
     assert_eq!(forwarded, Bytes::from(raw));
-    post(&router.url("/endpoints/zz/invocations"), &[], "x").await.assert_error(404, "not_found_error");
+    post(&router.url("/endpoints/zz/invocations"), &[], "x")
+        .await
+        .assert_error(404, "not_found_error");
 }
 
 #[tokio::test]
@@ -118,12 +189,18 @@ async fn same_prompt_goes_to_the_same_instance_from_two_routers() {
     let cp = MockControlPlane::start().await;
     let b = backends(5).await;
     cp.push(simple_table(1, prefix_aware(256, 64), &urls(&b)));
-    let (r1, r2) = (RouterHandle::watching(&cp, "r1").await, RouterHandle::watching(&cp, "r2").await);
+    let (r1, r2) = (
+        RouterHandle::watching(&cp, "r1").await,
+        RouterHandle::watching(&cp, "r2").await,
+    );
     r1.wait_version(1).await;
     r2.wait_version(1).await;
     let mut used = HashSet::new();
     for i in 0..30 {
-        let body = chat(&[("system", "You are terse."), ("user", &format!("question number {i}"))]);
+        let body = chat(&[
+            ("system", "You are terse."),
+            ("user", &format!("question number {i}")),
+        ]);
         let x = post(&r1.url("/v1/chat/completions"), &[], body.clone()).await;
         let y = post(&r2.url("/v1/chat/completions"), &[], body).await;
         assert_eq!(x.instance(), y.instance());
@@ -149,7 +226,12 @@ async fn conversations_stay_and_users_of_one_system_prompt_spread() {
         let t2 = post(
             &url,
             &[],
-            chat(&[("system", &system), ("user", &first), ("assistant", "Sorry to hear."), ("user", "Where is it?")]),
+            chat(&[
+                ("system", &system),
+                ("user", &first),
+                ("assistant", "Sorry to hear."),
+                ("user", "Where is it?"),
+            ]),
         )
         .await;
         let t3 = post(
@@ -169,14 +251,20 @@ async fn conversations_stay_and_users_of_one_system_prompt_spread() {
         assert_eq!(t1.instance(), t3.instance(), "turn 3 of user {u}");
         used.insert(t1.instance().to_string());
     }
-    assert!(used.len() >= 6, "40 users over 7 instances used only {used:?}");
+    assert!(
+        used.len() >= 6,
+        "40 users over 7 instances used only {used:?}"
+    );
 
     // x-prefix-aware-id: a key made only of a shared prefix spreads by id, and one id stays put
     cp.push(simple_table(2, prefix_aware(64, 64), &urls(&b)));
     router.wait_version(2).await;
     let body = chat(&[("system", &system), ("user", "anything")]);
-    let plain: HashSet<String> =
-        futures_collect(4, || post(&url, &[], body.clone())).await.iter().map(|r| r.instance().to_string()).collect();
+    let plain: HashSet<String> = futures_collect(4, || post(&url, &[], body.clone()))
+        .await
+        .iter()
+        .map(|r| r.instance().to_string())
+        .collect();
     assert_eq!(plain.len(), 1);
     let mut by_id = HashSet::new();
     for id in 0..20 {
@@ -204,29 +292,51 @@ where
 #[tokio::test]
 async fn least_outstanding_counts_until_the_body_ends() {
     let cp = MockControlPlane::start().await;
-    let b = vec![Backend::start_with("a", Behavior::Hold).await, Backend::start_with("b", Behavior::Hold).await];
-    cp.push(simple_table(1, strategy(RoutingStrategy::LeastOutstandingRequests), &urls(&b)));
+    let b = vec![
+        Backend::start_with("a", Behavior::Hold).await,
+        Backend::start_with("b", Behavior::Hold).await,
+    ];
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::LeastOutstandingRequests),
+        &urls(&b),
+    ));
     let router = RouterHandle::watching(&cp, "r").await;
     router.wait_version(1).await;
     let url = router.url("/v1/completions");
     let body = r#"{"model":"e","prompt":"p"}"#;
     let first = spawn_post(&url, &[], body);
-    wait_until("one backend holds a request", || async { b[0].active() + b[1].active() == 1 }).await;
+    wait_until("one backend holds a request", || async {
+        b[0].active() + b[1].active() == 1
+    })
+    .await;
     let busy = if b[0].active() == 1 { 0 } else { 1 };
     let second = spawn_post(&url, &[], body);
-    wait_until("the idle backend gets the second request", || async { b[1 - busy].active() == 1 }).await;
+    wait_until("the idle backend gets the second request", || async {
+        b[1 - busy].active() == 1
+    })
+    .await;
     b[0].release();
     b[1].release();
     let (x, y) = (first.await.unwrap(), second.await.unwrap());
-    assert_eq!((x.decision(), y.decision()), ("least_outstanding", "least_outstanding"));
+    assert_eq!(
+        (x.decision(), y.decision()),
+        ("least_outstanding", "least_outstanding")
+    );
     assert_ne!(x.instance(), y.instance());
 
     // a streamed body keeps its instance busy until the client goes away
     for x in &b {
         x.set(Behavior::Stream);
     }
-    let resp = client().request(post_request(&url, &[], body)).await.unwrap();
-    let instance = resp.headers()["x-prefix-router-instance"].to_str().unwrap().to_string();
+    let resp = client()
+        .request(post_request(&url, &[], body))
+        .await
+        .unwrap();
+    let instance = resp.headers()["x-prefix-router-instance"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let m = router.metrics().await;
     assert!(m.contains(&format!("instance=\"{instance}\"}} 1\n")), "{m}");
     drop(resp); // client gone mid-stream
@@ -236,7 +346,6 @@ async fn least_outstanding_counts_until_the_body_ends() {
     })
     .await;
 }
-
 
 #[tokio::test]
 async fn overload_bypass_at_the_concurrency_threshold() {
@@ -251,21 +360,33 @@ async fn overload_bypass_at_the_concurrency_threshold() {
     let url = router.url("/v1/chat/completions");
     let body = chat(&[("user", "the same long document")]);
     let first = spawn_post(&url, &[], body.clone());
-    wait_until("the first request is held", || async { b.iter().map(|x| x.active()).sum::<u64>() == 1 }).await;
+    wait_until("the first request is held", || async {
+        b.iter().map(|x| x.active()).sum::<u64>() == 1
+    })
+    .await;
     let holder = b.iter().position(|x| x.active() == 1).unwrap();
     let second = spawn_post(&url, &[], body.clone());
-    wait_until("the second request is held", || async { b.iter().map(|x| x.active()).sum::<u64>() == 2 }).await;
+    wait_until("the second request is held", || async {
+        b.iter().map(|x| x.active()).sum::<u64>() == 2
+    })
+    .await;
     for x in &b {
         x.set(Behavior::Echo);
         x.release();
     }
     let (x, y) = (first.await.unwrap(), second.await.unwrap());
-    assert_eq!((x.instance(), x.decision()), (b[holder].url.as_str(), "prefix_hash"));
+    assert_eq!(
+        (x.instance(), x.decision()),
+        (b[holder].url.as_str(), "prefix_hash")
+    );
     assert_eq!(y.decision(), "overload_bypass");
     assert_ne!(y.instance(), x.instance());
     // with room again, the key goes home
     let z = post(&url, &[], body).await;
-    assert_eq!((z.instance(), z.decision()), (b[holder].url.as_str(), "prefix_hash"));
+    assert_eq!(
+        (z.instance(), z.decision()),
+        (b[holder].url.as_str(), "prefix_hash")
+    );
 }
 
 #[tokio::test]
@@ -280,12 +401,21 @@ async fn table_swap_under_load_loses_no_request() {
     let done = Arc::new(AtomicU64::new(0));
     let mut workers = Vec::new();
     for w in 0..6 {
-        let (url, stop, done) = (router.url("/v1/chat/completions"), stop.clone(), done.clone());
+        let (url, stop, done) = (
+            router.url("/v1/chat/completions"),
+            stop.clone(),
+            done.clone(),
+        );
         workers.push(tokio::spawn(async move {
             let mut failures = Vec::new();
             let mut i = 0;
             while !stop.load(SeqCst) {
-                let r = post(&url, &[], chat(&[("user", &format!("worker {w} request {i}"))])).await;
+                let r = post(
+                    &url,
+                    &[],
+                    chat(&[("user", &format!("worker {w} request {i}"))]),
+                )
+                .await;
                 if r.status != 200 {
                     failures.push(r.text());
                 }
@@ -302,8 +432,12 @@ async fn table_swap_under_load_loses_no_request() {
         prefix_aware(1024, 64),
     ];
     for v in 2..=25u64 {
-        let members: Vec<String> =
-            all.iter().enumerate().filter(|(i, _)| (v as usize + i) & 3 != 0).map(|(_, u)| u.clone()).collect();
+        let members: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| (v as usize + i) & 3 != 0)
+            .map(|(_, u)| u.clone())
+            .collect();
         cp.push(simple_table(v, configs[v as usize % 4], &members));
         cp.ack(v).await;
         let before = done.load(SeqCst);
@@ -320,7 +454,12 @@ async fn table_swap_under_load_loses_no_request() {
     }
     assert!(total_failures.is_empty(), "{total_failures:?}");
     assert!(done.load(SeqCst) >= 24 * 5);
-    let r = post(&router.url("/v1/chat/completions"), &[], chat(&[("user", "last")])).await;
+    let r = post(
+        &router.url("/v1/chat/completions"),
+        &[],
+        chat(&[("user", "last")]),
+    )
+    .await;
     assert_eq!(r.header("x-prefix-router-table-version"), "25");
 }
 
@@ -328,7 +467,11 @@ async fn table_swap_under_load_loses_no_request() {
 async fn invalid_table_is_nacked_and_the_last_good_one_keeps_serving() {
     let cp = MockControlPlane::start().await;
     let b = backends(2).await;
-    cp.push(simple_table(1, strategy(RoutingStrategy::Random), &urls(&b)));
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &urls(&b),
+    ));
     let router = RouterHandle::watching(&cp, "r").await;
     cp.ack(1).await;
     let mut bad = simple_table(2, strategy(RoutingStrategy::Random), &urls(&b));
@@ -337,17 +480,42 @@ async fn invalid_table_is_nacked_and_the_last_good_one_keeps_serving() {
     let nack = cp.nack().await;
     assert_eq!(nack.applied_version, 1);
     assert!(!nack.response_nonce.is_empty());
-    assert!(nack.error_detail.contains("bad instance URL \"ftp://nowhere\""), "{}", nack.error_detail);
-    let r = post(&router.url("/v1/completions"), &[], r#"{"model":"e","prompt":"x"}"#).await;
-    assert_eq!((r.status, r.header("x-prefix-router-table-version")), (200, "1"));
+    assert!(
+        nack.error_detail
+            .contains("bad instance URL \"ftp://nowhere\""),
+        "{}",
+        nack.error_detail
+    );
+    let r = post(
+        &router.url("/v1/completions"),
+        &[],
+        r#"{"model":"e","prompt":"x"}"#,
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.header("x-prefix-router-table-version")),
+        (200, "1")
+    );
     let mut unknown = simple_table(3, strategy(RoutingStrategy::Random), &urls(&b));
-    unknown.endpoints[0].variants[0].routing_config.as_mut().unwrap().routing_strategy = 42;
+    unknown.endpoints[0].variants[0]
+        .routing_config
+        .as_mut()
+        .unwrap()
+        .routing_strategy = 42;
     cp.push(unknown);
-    assert!(cp.nack().await.error_detail.contains("unknown routing strategy 42"));
+    assert!(cp
+        .nack()
+        .await
+        .error_detail
+        .contains("unknown routing strategy 42"));
     let m = router.metrics().await;
     assert!(m.contains("prefix_router_tables_rejected_total 2\n"), "{m}");
     assert!(m.contains("prefix_router_table_version 1\n"), "{m}");
-    cp.push(simple_table(4, strategy(RoutingStrategy::Random), &urls(&b)));
+    cp.push(simple_table(
+        4,
+        strategy(RoutingStrategy::Random),
+        &urls(&b),
+    ));
     cp.ack(4).await;
     router.wait_version(4).await;
 }
@@ -361,12 +529,23 @@ async fn routing_continues_without_the_control_plane_and_resumes_when_it_returns
     cp.ack(1).await;
     let addr = cp.stop().await;
     wait_until("the router notices the control plane is gone", || async {
-        router.metrics().await.contains("prefix_router_control_plane_connected 0\n")
+        router
+            .metrics()
+            .await
+            .contains("prefix_router_control_plane_connected 0\n")
     })
     .await;
     for i in 0..20 {
-        let r = post(&router.url("/v1/chat/completions"), &[], chat(&[("user", &format!("q{i}"))])).await;
-        assert_eq!((r.status, r.header("x-prefix-router-table-version")), (200, "1"));
+        let r = post(
+            &router.url("/v1/chat/completions"),
+            &[],
+            chat(&[("user", &format!("q{i}"))]),
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.header("x-prefix-router-table-version")),
+            (200, "1")
+        );
     }
     // back on the same address: the router reconnects and says what it holds
     let cp = MockControlPlane::start_on(tokio::net::TcpListener::bind(addr).await.unwrap()).await;
@@ -383,26 +562,50 @@ async fn table_cache_lets_a_restarted_router_serve_before_the_control_plane_is_b
     let cache = dir.path().join("table.pb");
     let b = backends(2).await;
     let cp = MockControlPlane::start().await;
-    cp.push(simple_table(7, strategy(RoutingStrategy::Random), &urls(&b)));
-    let config = Config { control_plane: cp.url.clone(), table_cache: Some(cache.clone()), ..Config::default() };
+    cp.push(simple_table(
+        7,
+        strategy(RoutingStrategy::Random),
+        &urls(&b),
+    ));
+    let config = Config {
+        control_plane: cp.url.clone(),
+        table_cache: Some(cache.clone()),
+        ..Config::default()
+    };
     let router = RouterHandle::start(config.clone()).await;
     cp.ack(7).await;
     wait_until("the cache file is written", || async { cache.exists() }).await;
     router.shutdown().await;
     cp.stop().await;
 
-    let offline = Config { control_plane: dead_url().await, ..config };
+    let offline = Config {
+        control_plane: dead_url().await,
+        ..config
+    };
     let router = RouterHandle::start(offline.clone()).await;
     let ready = get(&router.url("/readyz")).await;
-    assert_eq!((ready.status, ready.json()["table_version"].as_u64()), (200, Some(7)));
-    let r = post(&router.url("/v1/completions"), &[], r#"{"model":"e","prompt":"x"}"#).await;
-    assert_eq!((r.status, r.header("x-prefix-router-table-version")), (200, "7"));
+    assert_eq!(
+        (ready.status, ready.json()["table_version"].as_u64()),
+        (200, Some(7))
+    );
+    let r = post(
+        &router.url("/v1/completions"),
+        &[],
+        r#"{"model":"e","prompt":"x"}"#,
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.header("x-prefix-router-table-version")),
+        (200, "7")
+    );
     router.shutdown().await;
 
     // a corrupt cache is ignored (not ready, no crash)
     std::fs::write(&cache, b"\xff\xff\xff garbage").unwrap();
     let router = RouterHandle::start(offline).await;
-    get(&router.url("/readyz")).await.assert_error(503, "service_unavailable");
+    get(&router.url("/readyz"))
+        .await
+        .assert_error(503, "service_unavailable");
     router.shutdown().await;
 }
 
@@ -429,13 +632,20 @@ async fn streaming_responses_pass_through_chunk_by_chunk() {
         // each chunk arrives while the upstream is still open
         let mut got = Vec::new();
         while got.len() < chunk.len() {
-            let frame = tokio::time::timeout(WAIT, body.frame()).await.expect("chunk not flushed").unwrap().unwrap();
+            let frame = tokio::time::timeout(WAIT, body.frame())
+                .await
+                .expect("chunk not flushed")
+                .unwrap()
+                .unwrap();
             got.extend_from_slice(&frame.into_data().unwrap());
         }
         assert_eq!(got, chunk.to_vec());
         received.extend(got);
     }
-    chunks.send(Bytes::from_static(b"data: [DONE]\n\n")).await.unwrap();
+    chunks
+        .send(Bytes::from_static(b"data: [DONE]\n\n"))
+        .await
+        .unwrap();
     drop(chunks);
     let rest = body.collect().await.unwrap().to_bytes();
     received.extend_from_slice(&rest);
@@ -453,7 +663,9 @@ async fn error_paths_answer_json_with_their_status() {
     })
     .await;
     let chat_url = router.url("/v1/chat/completions");
-    post(&chat_url, &[], chat(&[("user", "x")])).await.assert_error(503, "service_unavailable");
+    post(&chat_url, &[], chat(&[("user", "x")]))
+        .await
+        .assert_error(503, "service_unavailable");
     router.shutdown().await;
 
     let cp = MockControlPlane::start().await;
@@ -484,31 +696,59 @@ async fn error_paths_answer_json_with_their_status() {
 
     // 400: header that is not text
     let mut req = post_request(&chat_url, &[], body.clone());
-    req.headers_mut().insert("x-endpoint-name", http::HeaderValue::from_bytes(b"\xffe").unwrap());
+    req.headers_mut().insert(
+        "x-endpoint-name",
+        http::HeaderValue::from_bytes(b"\xffe").unwrap(),
+    );
     let r = send(req).await;
     r.assert_error(400, "invalid_request_error");
     assert_eq!(r.header("x-prefix-router-table-version"), "1");
-    post(&router.url("/endpoints/%ff%fe/invocations"), &[], "x").await.assert_error(400, "invalid_request_error");
+    post(&router.url("/endpoints/%ff%fe/invocations"), &[], "x")
+        .await
+        .assert_error(400, "invalid_request_error");
     // 404: endpoint, variant, path
-    post(&chat_url, &[("x-endpoint-name", "nope")], body.clone()).await.assert_error(404, "not_found_error");
-    post(&chat_url, &[("x-endpoint-name", "e"), ("x-target-variant", "v9")], body.clone())
+    post(&chat_url, &[("x-endpoint-name", "nope")], body.clone())
         .await
         .assert_error(404, "not_found_error");
-    post(&router.url("/v2/whatever"), &[], body.clone()).await.assert_error(404, "not_found_error");
+    post(
+        &chat_url,
+        &[("x-endpoint-name", "e"), ("x-target-variant", "v9")],
+        body.clone(),
+    )
+    .await
+    .assert_error(404, "not_found_error");
+    post(&router.url("/v2/whatever"), &[], body.clone())
+        .await
+        .assert_error(404, "not_found_error");
     get(&chat_url).await.assert_error(405, "method_not_allowed");
     // 413: declared length, and a chunked body with no length
     let big = "x".repeat(2048);
-    post(&chat_url, &[("x-endpoint-name", "e")], big.clone()).await.assert_error(413, "request_too_large");
-    let chunks: Vec<Result<Frame<Bytes>, Infallible>> =
-        (0..8).map(|_| Ok(Frame::data(Bytes::from(vec![b'y'; 256])))).collect();
+    post(&chat_url, &[("x-endpoint-name", "e")], big.clone())
+        .await
+        .assert_error(413, "request_too_large");
+    let chunks: Vec<Result<Frame<Bytes>, Infallible>> = (0..8)
+        .map(|_| Ok(Frame::data(Bytes::from(vec![b'y'; 256]))))
+        .collect();
     let stream = StreamBody::new(tokio_stream::iter(chunks));
-    let req = Request::post(&chat_url).header("x-endpoint-name", "e").body(BodyExt::boxed(stream)).unwrap();
+    let req = Request::post(&chat_url)
+        .header("x-endpoint-name", "e")
+        .body(BodyExt::boxed(stream))
+        .unwrap();
     send(req).await.assert_error(413, "request_too_large");
     // a body just under the limit is fine
-    assert_eq!(post(&chat_url, &[("x-endpoint-name", "e")], "x".repeat(1000)).await.status, 200);
+    assert_eq!(
+        post(&chat_url, &[("x-endpoint-name", "e")], "x".repeat(1000))
+            .await
+            .status,
+        200
+    );
     // 503: no instance, no variant
-    post(&chat_url, &[("x-endpoint-name", "empty")], body.clone()).await.assert_error(503, "service_unavailable");
-    post(&chat_url, &[("x-endpoint-name", "novariant")], body.clone()).await.assert_error(503, "service_unavailable");
+    post(&chat_url, &[("x-endpoint-name", "empty")], body.clone())
+        .await
+        .assert_error(503, "service_unavailable");
+    post(&chat_url, &[("x-endpoint-name", "novariant")], body.clone())
+        .await
+        .assert_error(503, "service_unavailable");
     // 502: the only instance refuses connections (retry has nowhere to go)
     let r = post(&chat_url, &[("x-endpoint-name", "dead")], body.clone()).await;
     r.assert_error(502, "upstream_error");
@@ -520,14 +760,26 @@ async fn error_paths_answer_json_with_their_status() {
     assert_eq!(r.instance(), held.url);
     held.release();
     // garbage bodies never fail routing
-    for garbage in ["", "{", "[]", "null", "{\"messages\":[{\"role\":1}]}", "\u{0}\u{1}"] {
+    for garbage in [
+        "",
+        "{",
+        "[]",
+        "null",
+        "{\"messages\":[{\"role\":1}]}",
+        "\u{0}\u{1}",
+    ] {
         let r = post(&chat_url, &[("x-endpoint-name", "e")], garbage).await;
         assert_eq!(r.status, 200, "{garbage:?}");
     }
     let m = router.metrics().await;
     assert!(m.contains("decision=\"none\",status=\"404\"} 3\n"), "{m}");
     assert!(m.contains("decision=\"none\",status=\"413\"} 2\n"), "{m}");
-    assert!(m.contains(&format!("instance=\"{dead}\",decision=\"random\",status=\"502\"}} 1\n")), "{m}");
+    assert!(
+        m.contains(&format!(
+            "instance=\"{dead}\",decision=\"random\",status=\"502\"}} 1\n"
+        )),
+        "{m}"
+    );
 }
 
 #[tokio::test]
@@ -536,7 +788,11 @@ async fn failed_instances_are_retried_once_then_ejected() {
     let good = Backend::start("good").await;
     let bad = Backend::start_with("bad", Behavior::Status(500)).await;
     let dead = dead_url().await;
-    cp.push(simple_table(1, strategy(RoutingStrategy::Random), &[good.url.as_str(), bad.url.as_str(), dead.as_str()]));
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &[good.url.as_str(), bad.url.as_str(), dead.as_str()],
+    ));
     let router = RouterHandle::watching(&cp, "r").await;
     router.wait_version(1).await;
     let url = router.url("/v1/completions");
@@ -544,15 +800,27 @@ async fn failed_instances_are_retried_once_then_ejected() {
         let r = post(&url, &[], format!(r#"{{"model":"e","prompt":"{i}"}}"#)).await;
         // a 500 or a refused connection is retried once on another instance; the retry may hit the
         // other failing one, whose 500 is then passed through
-        assert!(r.status == 200 || r.status == 500 || r.status == 502, "{}", r.text());
+        assert!(
+            r.status == 200 || r.status == 500 || r.status == 502,
+            "{}",
+            r.text()
+        );
     }
     let m = router.metrics().await;
     assert!(!m.contains("prefix_router_retries_total 0\n"), "{m}");
-    assert!(m.contains("prefix_router_ejections_total 2\n"), "both failing instances ejected: {m}");
+    assert!(
+        m.contains("prefix_router_ejections_total 2\n"),
+        "both failing instances ejected: {m}"
+    );
     // ejected: everything goes to the good one, the bad one sees nothing more
     let bad_hits = bad.hits();
     for i in 0..20 {
-        let r = post(&url, &[], format!(r#"{{"model":"e","prompt":"again {i}"}}"#)).await;
+        let r = post(
+            &url,
+            &[],
+            format!(r#"{{"model":"e","prompt":"again {i}"}}"#),
+        )
+        .await;
         assert_eq!((r.status, r.instance()), (200, good.url.as_str()));
     }
     assert_eq!(bad.hits(), bad_hits);
@@ -562,7 +830,10 @@ async fn failed_instances_are_retried_once_then_ejected() {
     cp.push(simple_table(2, prefix_aware(256, 64), &urls(&b)));
     router.wait_version(2).await;
     let body = chat(&[("user", "retry me")]);
-    let home = post(&router.url("/v1/chat/completions"), &[], body.clone()).await.instance().to_string();
+    let home = post(&router.url("/v1/chat/completions"), &[], body.clone())
+        .await
+        .instance()
+        .to_string();
     let home_backend = b.iter().find(|x| x.url == home).unwrap();
     home_backend.set(Behavior::Status(503));
     let r = post(&router.url("/v1/chat/completions"), &[], body).await;
@@ -579,7 +850,12 @@ async fn metrics_report_requests_decisions_latency_and_version() {
     router.wait_version(3).await;
     let mut per_instance: HashMap<String, u64> = HashMap::new();
     for i in 0..10 {
-        let r = post(&router.url("/v1/chat/completions"), &[], chat(&[("user", &format!("m{i}"))])).await;
+        let r = post(
+            &router.url("/v1/chat/completions"),
+            &[],
+            chat(&[("user", &format!("m{i}"))]),
+        )
+        .await;
         *per_instance.entry(r.instance().to_string()).or_default() += 1;
     }
     let m = router.metrics().await;
@@ -589,28 +865,52 @@ async fn metrics_report_requests_decisions_latency_and_version() {
         );
         assert!(m.contains(&line), "missing {line} in {m}");
     }
-    assert!(m.contains("prefix_router_route_decision_seconds_count 10\n"), "{m}");
-    assert!(m.contains("prefix_router_route_decision_seconds_bucket{le=\"0.000001\"}"), "{m}");
+    assert!(
+        m.contains("prefix_router_route_decision_seconds_count 10\n"),
+        "{m}"
+    );
+    assert!(
+        m.contains("prefix_router_route_decision_seconds_bucket{le=\"0.000001\"}"),
+        "{m}"
+    );
     assert!(m.contains("prefix_router_table_version 3\n"), "{m}");
-    assert!(m.contains("prefix_router_control_plane_connected 1\n"), "{m}");
+    assert!(
+        m.contains("prefix_router_control_plane_connected 1\n"),
+        "{m}"
+    );
 }
 
 #[tokio::test]
 async fn shutdown_drains_in_flight_requests() {
     let cp = MockControlPlane::start().await;
     let b = Backend::start_with("h", Behavior::Hold).await;
-    cp.push(simple_table(1, strategy(RoutingStrategy::Random), &[b.url.as_str()]));
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &[b.url.as_str()],
+    ));
     let mut router = RouterHandle::watching(&cp, "r").await;
     router.wait_version(1).await;
-    let in_flight = spawn_post(&router.url("/v1/completions"), &[], r#"{"model":"e","prompt":"x"}"#);
+    let in_flight = spawn_post(
+        &router.url("/v1/completions"),
+        &[],
+        r#"{"model":"e","prompt":"x"}"#,
+    );
     wait_until("the request is held", || async { b.active() == 1 }).await;
     let serve = router.begin_shutdown();
     // no new connections once draining
     let addr = router.addr;
-    wait_until("the listener is closed", || async { tokio::net::TcpStream::connect(addr).await.is_err() }).await;
+    wait_until("the listener is closed", || async {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
     assert!(!serve.is_finished());
     b.release();
     let r = in_flight.await.unwrap();
     assert_eq!(r.status, 200);
-    tokio::time::timeout(WAIT, serve).await.unwrap().unwrap().unwrap();
+    tokio::time::timeout(WAIT, serve)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }

@@ -421,7 +421,8 @@ async fn completion_traced(
                 let prefill = prefill_span(&span, &seq);
                 seq.first_token().await;
                 drop(prefill);
-                let _decode = tracing::info_span!(parent: &span, "decode", tokens = max_tokens as i64);
+                let _decode =
+                    tracing::info_span!(parent: &span, "decode", tokens = max_tokens as i64);
                 if tx
                     .send(encoder.token(&mut filler, 0, max_tokens))
                     .await

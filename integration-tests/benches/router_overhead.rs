@@ -30,7 +30,10 @@ const RESPONSE: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 async fn backend() -> anyhow::Result<String> {
@@ -38,7 +41,9 @@ async fn backend() -> anyhow::Result<String> {
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { return };
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
             let _ = stream.set_nodelay(true);
             tokio::spawn(async move {
                 let svc = service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
@@ -51,7 +56,9 @@ async fn backend() -> anyhow::Result<String> {
                             .unwrap(),
                     )
                 });
-                let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
             });
         }
     });
@@ -88,7 +95,9 @@ async fn one(client: &HttpClient, uri: &http::Uri, body: &Bytes) -> anyhow::Resu
 fn client(max_idle: usize) -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).pool_max_idle_per_host(max_idle).build(c)
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(max_idle)
+        .build(c)
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -137,7 +146,12 @@ async fn main() -> anyhow::Result<()> {
     let cp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let cp_url = format!("http://{}", cp_listener.local_addr()?);
     let store = control_plane::open_store(dir.path())?;
-    tokio::spawn(control_plane::serve_store(cp_listener, store, Duration::from_secs(1), std::future::pending()));
+    tokio::spawn(control_plane::serve_store(
+        cp_listener,
+        store,
+        Duration::from_secs(1),
+        std::future::pending(),
+    ));
     let mut cp = ControlPlaneClient::connect(cp_url.clone()).await?;
     cp.create_endpoint_config(CreateEndpointConfigRequest {
         endpoint_config_name: "bench".into(),
@@ -147,18 +161,35 @@ async fn main() -> anyhow::Result<()> {
             initial_variant_weight: Some(1.0),
             routing_config: Some(RoutingConfig {
                 routing_strategy: strategy as i32,
-                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig { prefix_length: 4096, concurrency_threshold: 4096 }),
+                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                    prefix_length: 4096,
+                    concurrency_threshold: 4096,
+                }),
             }),
             instances: vec![backend_url.clone()],
         }],
     })
     .await?;
-    cp.create_endpoint(CreateEndpointRequest { endpoint_name: "bench".into(), endpoint_config_name: "bench".into() }).await?;
+    cp.create_endpoint(CreateEndpointRequest {
+        endpoint_name: "bench".into(),
+        endpoint_config_name: "bench".into(),
+    })
+    .await?;
 
     let dp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let dp_url = format!("http://{}", dp_listener.local_addr()?);
-    let config = data_plane::Config::try_parse_from(["data-plane", "--control-plane", &cp_url, "--node-id", "bench"])?;
-    tokio::spawn(data_plane::serve(dp_listener, config, std::future::pending()));
+    let config = data_plane::Config::try_parse_from([
+        "data-plane",
+        "--control-plane",
+        &cp_url,
+        "--node-id",
+        "bench",
+    ])?;
+    tokio::spawn(data_plane::serve(
+        dp_listener,
+        config,
+        std::future::pending(),
+    ));
 
     let body = chat_body();
     let direct: http::Uri = format!("{backend_url}/v1/chat/completions").parse()?;
@@ -193,16 +224,34 @@ async fn main() -> anyhow::Result<()> {
     }
     d.sort_by(f64::total_cmp);
     r.sort_by(f64::total_cmp);
-    println!("router_overhead: 32 KiB chat body, strategy {}, backend answers at once", strategy.user_name());
+    println!(
+        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once",
+        strategy.user_name()
+    );
     println!("  1 connection, {requests} requests each (µs):");
-    println!("    direct   p50 {:>8.1}  p99 {:>8.1}", pct(&d, 0.5), pct(&d, 0.99));
-    println!("    routed   p50 {:>8.1}  p99 {:>8.1}", pct(&r, 0.5), pct(&r, 0.99));
-    println!("    added    p50 {:>8.1}  p99 {:>8.1}", pct(&r, 0.5) - pct(&d, 0.5), pct(&r, 0.99) - pct(&d, 0.99));
+    println!(
+        "    direct   p50 {:>8.1}  p99 {:>8.1}",
+        pct(&d, 0.5),
+        pct(&d, 0.99)
+    );
+    println!(
+        "    routed   p50 {:>8.1}  p99 {:>8.1}",
+        pct(&r, 0.5),
+        pct(&r, 0.99)
+    );
+    println!(
+        "    added    p50 {:>8.1}  p99 {:>8.1}",
+        pct(&r, 0.5) - pct(&d, 0.5),
+        pct(&r, 0.99) - pct(&d, 0.99)
+    );
 
     // Phase 2: 32 connections.
     let direct_rps = throughput(&direct, &body, 32, seconds).await;
     let routed_rps = throughput(&routed, &body, 32, seconds).await;
     println!("  32 connections, {seconds} s each:");
-    println!("    direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}", routed_rps / direct_rps);
+    println!(
+        "    direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}",
+        routed_rps / direct_rps
+    );
     Ok(())
 }

@@ -36,26 +36,54 @@ impl InProcessControlPlane {
     }
 
     async fn start_with(data_dir: &Path, lease_check: Duration, metrics: bool) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
         let addr = listener.local_addr().unwrap();
-        let metrics_listener =
-            if metrics { Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback")) } else { None };
+        let metrics_listener = if metrics {
+            Some(
+                tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind loopback"),
+            )
+        } else {
+            None
+        };
         let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
         let store = control_plane::open_store(data_dir).expect("open store");
         let (tx, rx) = oneshot::channel::<()>();
-        let options = control_plane::ServeOptions { lease_check_interval: lease_check, metrics_listener };
-        let handle = tokio::spawn(control_plane::serve_with(listener, store, options, async move {
-            let _ = rx.await;
-        }));
-        Self { addr, url: format!("http://{addr}"), metrics_addr, shutdown: Some(tx), handle: Some(handle) }
+        let options = control_plane::ServeOptions {
+            lease_check_interval: lease_check,
+            metrics_listener,
+        };
+        let handle = tokio::spawn(control_plane::serve_with(
+            listener,
+            store,
+            options,
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        Self {
+            addr,
+            url: format!("http://{addr}"),
+            metrics_addr,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
     }
 
     /// `GET /metrics` as text (panics unless started with [`Self::start_with_metrics`]).
     pub async fn metrics(&self) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let addr = self.metrics_addr.expect("started with metrics");
-        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect to the metrics port");
-        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: cp\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .expect("connect to the metrics port");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: cp\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let mut raw = String::new();
         stream.read_to_string(&mut raw).await.unwrap();
         let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
@@ -64,7 +92,9 @@ impl InProcessControlPlane {
     }
 
     pub async fn client(&self) -> ControlPlaneClient<Channel> {
-        ControlPlaneClient::connect(self.url.clone()).await.expect("connect to control plane")
+        ControlPlaneClient::connect(self.url.clone())
+            .await
+            .expect("connect to control plane")
     }
 
     /// Graceful stop; returns the server's result.
@@ -92,7 +122,11 @@ pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
     let path = dir.join(name);
-    assert!(path.exists(), "{} is not built: run `cargo build --workspace --bins` before the tests", path.display());
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --workspace --bins` before the tests",
+        path.display()
+    );
     path
 }
 
@@ -155,8 +189,12 @@ pub fn variant(name: &str, strategy: RoutingStrategy, instances: &[&str]) -> Pro
         initial_variant_weight: Some(1.0),
         routing_config: Some(RoutingConfig {
             routing_strategy: strategy as i32,
-            prefix_aware_routing_config: (strategy == RoutingStrategy::PrefixAware)
-                .then_some(PrefixAwareRoutingConfig { prefix_length: 2048, concurrency_threshold: 64 }),
+            prefix_aware_routing_config: (strategy == RoutingStrategy::PrefixAware).then_some(
+                PrefixAwareRoutingConfig {
+                    prefix_length: 2048,
+                    concurrency_threshold: 64,
+                },
+            ),
         }),
         instances: instances.iter().map(|s| s.to_string()).collect(),
     }
@@ -173,7 +211,10 @@ where
         if let Some(v) = check().await {
             return v;
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

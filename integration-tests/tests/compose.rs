@@ -14,14 +14,22 @@ use serde_yaml_ng::Value;
 /// Our binaries, as the image ships them.
 const BINARIES: [&str; 4] = ["control-plane", "data-plane", "engine-sim", "prefixctl"];
 /// Read by the OpenTelemetry SDK itself (see `telemetry`), so not in any `--help`.
-const SDK_ENV: [&str; 4] = ["OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"];
+const SDK_ENV: [&str; 4] = [
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+];
 
 fn repo_file(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(name)
 }
 
 fn compose() -> Value {
-    let text = std::fs::read_to_string(repo_file("docker-compose.yml")).expect("docker-compose.yml at the repository root");
+    let text = std::fs::read_to_string(repo_file("docker-compose.yml"))
+        .expect("docker-compose.yml at the repository root");
     let mut doc: Value = serde_yaml_ng::from_str(&text).expect("docker-compose.yml is YAML");
     doc.apply_merge().expect("merge keys resolve");
     doc
@@ -29,14 +37,26 @@ fn compose() -> Value {
 
 /// `bin [subcommand...] --help`, run from target/debug.
 fn help(binary: &str, subcommand: &[&str]) -> String {
-    let out = Command::new(bin(binary)).args(subcommand).arg("--help").env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").output().unwrap();
-    assert!(out.status.success(), "{binary} {subcommand:?} --help failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(bin(binary))
+        .args(subcommand)
+        .arg("--help")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{binary} {subcommand:?} --help failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
 fn strings(v: &Value) -> Vec<String> {
     match v {
-        Value::Sequence(items) => items.iter().map(|i| i.as_str().expect("a string").to_string()).collect(),
+        Value::Sequence(items) => items
+            .iter()
+            .map(|i| i.as_str().expect("a string").to_string())
+            .collect(),
         Value::String(s) => vec![s.clone()],
         Value::Null => Vec::new(),
         other => panic!("expected a list of strings, got {other:?}"),
@@ -45,16 +65,25 @@ fn strings(v: &Value) -> Vec<String> {
 
 /// Every `--flag` in `args` (a `--flag=value` counts as `--flag`).
 fn flags(args: &[String]) -> Vec<&str> {
-    args.iter().filter(|a| a.starts_with("--")).map(|a| a.split('=').next().unwrap()).collect()
+    args.iter()
+        .filter(|a| a.starts_with("--"))
+        .map(|a| a.split('=').next().unwrap())
+        .collect()
 }
 
 /// The value after `flag` in `args`.
 fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).map(String::as_str)
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
 }
 
 fn port_of(addr: &str) -> u16 {
-    addr.rsplit(':').next().and_then(|p| p.trim_end_matches('/').parse().ok()).unwrap_or_else(|| panic!("no port in {addr:?}"))
+    addr.rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .unwrap_or_else(|| panic!("no port in {addr:?}"))
 }
 
 /// `KEY: value` pairs of a service's `environment` (map or `KEY=value` list).
@@ -97,7 +126,9 @@ fn prefixctl_calls(script: &str) -> Vec<Vec<String>> {
                 word = rest[1..end].to_string();
                 rest = &rest[end + 1..];
             } else {
-                let end = rest.find(|c: char| c.is_whitespace() || "|&;()>".contains(c)).unwrap_or(rest.len());
+                let end = rest
+                    .find(|c: char| c.is_whitespace() || "|&;()>".contains(c))
+                    .unwrap_or(rest.len());
                 word = rest[..end].to_string();
                 rest = &rest[end..];
             }
@@ -112,7 +143,10 @@ fn prefixctl_calls(script: &str) -> Vec<Vec<String>> {
 #[test]
 fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
     let doc = compose();
-    let services = doc.get("services").and_then(Value::as_mapping).expect("services");
+    let services = doc
+        .get("services")
+        .and_then(Value::as_mapping)
+        .expect("services");
     let dockerfile = std::fs::read_to_string(repo_file("Dockerfile")).unwrap();
 
     // What each service listens on (container side), from its flags.
@@ -120,7 +154,10 @@ fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
     let mut checked = BTreeSet::new();
     for (name, service) in services {
         let name = name.as_str().unwrap().to_string();
-        let image = service.get("image").and_then(Value::as_str).unwrap_or_default();
+        let image = service
+            .get("image")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         let env = environment(service);
         let ports = service.get("ports").map(strings).unwrap_or_default();
         if !image.starts_with("prefix-router") {
@@ -134,10 +171,16 @@ fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
         let binary = entrypoint[0].as_str();
 
         if BINARIES.contains(&binary) {
-            assert!(dockerfile.contains(&format!("release/{binary}")), "the Dockerfile does not ship {binary}");
+            assert!(
+                dockerfile.contains(&format!("release/{binary}")),
+                "the Dockerfile does not ship {binary}"
+            );
             let text = help(binary, &[]);
             for flag in flags(&command) {
-                assert!(text.contains(&format!("{flag} ")), "service {name}: {binary} has no flag {flag}:\n{text}");
+                assert!(
+                    text.contains(&format!("{flag} ")),
+                    "service {name}: {binary} has no flag {flag}:\n{text}"
+                );
             }
             for var in env.keys() {
                 assert!(
@@ -154,21 +197,35 @@ fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
             assert!(!own.is_empty(), "service {name}: no --listen");
             for p in &ports {
                 let container = port_of(p);
-                assert!(own.contains(&container), "service {name} publishes {p} but listens on {own:?}");
+                assert!(
+                    own.contains(&container),
+                    "service {name} publishes {p} but listens on {own:?}"
+                );
             }
             listens.insert(name.clone(), own);
             checked.insert(binary.to_string());
         } else {
             // A shell script of prefixctl calls (`setup`).
-            assert_eq!(entrypoint, ["sh", "-c"], "service {name}: unknown entrypoint {entrypoint:?}");
+            assert_eq!(
+                entrypoint,
+                ["sh", "-c"],
+                "service {name}: unknown entrypoint {entrypoint:?}"
+            );
             let script = command.join(" ");
             let calls = prefixctl_calls(&script);
             assert!(!calls.is_empty(), "service {name} runs no prefixctl");
             for call in calls {
-                let subcommand: Vec<&str> = call.iter().take_while(|w| !w.starts_with('-')).map(String::as_str).collect();
+                let subcommand: Vec<&str> = call
+                    .iter()
+                    .take_while(|w| !w.starts_with('-'))
+                    .map(String::as_str)
+                    .collect();
                 let text = help("prefixctl", &subcommand);
                 for flag in flags(&call) {
-                    assert!(text.contains(&format!("{flag} ")), "service {name}: prefixctl {subcommand:?} has no flag {flag}");
+                    assert!(
+                        text.contains(&format!("{flag} ")),
+                        "service {name}: prefixctl {subcommand:?} has no flag {flag}"
+                    );
                 }
                 for var in env.keys() {
                     assert!(
@@ -180,26 +237,44 @@ fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
             checked.insert("prefixctl".to_string());
         }
     }
-    assert_eq!(checked.len(), BINARIES.len(), "every binary is used: {checked:?}");
+    assert_eq!(
+        checked.len(),
+        BINARIES.len(),
+        "every binary is used: {checked:?}"
+    );
 
     // `http://service:port` anywhere in a service (flags, variables, scripts) names a port that
     // service listens on.
     let text = std::fs::read_to_string(repo_file("docker-compose.yml")).unwrap();
     let mut references = 0;
     for part in text.split("http://").skip(1) {
-        let end = part.find(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == ':' || c == '.')).unwrap_or(part.len());
-        let Some((host, port)) = part[..end].split_once(':') else { continue };
-        let Some(target) = listens.get(host) else { continue };
+        let end = part
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == ':' || c == '.'))
+            .unwrap_or(part.len());
+        let Some((host, port)) = part[..end].split_once(':') else {
+            continue;
+        };
+        let Some(target) = listens.get(host) else {
+            continue;
+        };
         let port: u16 = port.parse().unwrap();
-        assert!(target.contains(&port), "http://{host}:{port}: {host} listens on {target:?}");
+        assert!(
+            target.contains(&port),
+            "http://{host}:{port}: {host} listens on {target:?}"
+        );
         references += 1;
     }
-    assert!(references >= 10, "the control plane, Jaeger and the engines are referenced by URL ({references})");
+    assert!(
+        references >= 10,
+        "the control plane, Jaeger and the engines are referenced by URL ({references})"
+    );
 }
 
 #[test]
 fn the_setup_script_parser_splits_prefixctl_calls() {
-    let calls = prefixctl_calls("prefixctl a b --x 1 >/dev/null 2>&1 || prefixctl c --y '[{\"k\": 1}]' && (prefixctl d)");
+    let calls = prefixctl_calls(
+        "prefixctl a b --x 1 >/dev/null 2>&1 || prefixctl c --y '[{\"k\": 1}]' && (prefixctl d)",
+    );
     assert_eq!(calls[0], ["a", "b", "--x", "1"]);
     assert_eq!(calls[1], ["c", "--y", "[{\"k\": 1}]"]);
     assert_eq!(calls[2], ["d"]);

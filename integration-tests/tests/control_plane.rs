@@ -17,13 +17,20 @@ use tonic::Code;
 const A: &str = "http://127.0.0.1:9001";
 const B: &str = "http://127.0.0.1:9002";
 
-async fn create_config(c: &mut ControlPlaneClient<Channel>, name: &str, variants: Vec<ProductionVariant>) -> EndpointConfig {
-    c.create_endpoint_config(CreateEndpointConfigRequest { endpoint_config_name: name.into(), production_variants: variants })
-        .await
-        .expect("create config")
-        .into_inner()
-        .endpoint_config
-        .unwrap()
+async fn create_config(
+    c: &mut ControlPlaneClient<Channel>,
+    name: &str,
+    variants: Vec<ProductionVariant>,
+) -> EndpointConfig {
+    c.create_endpoint_config(CreateEndpointConfigRequest {
+        endpoint_config_name: name.into(),
+        production_variants: variants,
+    })
+    .await
+    .expect("create config")
+    .into_inner()
+    .endpoint_config
+    .unwrap()
 }
 
 async fn update_config(
@@ -41,17 +48,32 @@ async fn update_config(
     .map(|r| r.into_inner())
 }
 
-async fn create_endpoint(c: &mut ControlPlaneClient<Channel>, name: &str, config: &str) -> Endpoint {
-    c.create_endpoint(CreateEndpointRequest { endpoint_name: name.into(), endpoint_config_name: config.into() })
-        .await
-        .expect("create endpoint")
-        .into_inner()
-        .endpoint
-        .unwrap()
+async fn create_endpoint(
+    c: &mut ControlPlaneClient<Channel>,
+    name: &str,
+    config: &str,
+) -> Endpoint {
+    c.create_endpoint(CreateEndpointRequest {
+        endpoint_name: name.into(),
+        endpoint_config_name: config.into(),
+    })
+    .await
+    .expect("create endpoint")
+    .into_inner()
+    .endpoint
+    .unwrap()
 }
 
-async fn describe_endpoint(c: &mut ControlPlaneClient<Channel>, name: &str) -> DescribeEndpointResponse {
-    c.describe_endpoint(DescribeEndpointRequest { endpoint_name: name.into() }).await.expect("describe endpoint").into_inner()
+async fn describe_endpoint(
+    c: &mut ControlPlaneClient<Channel>,
+    name: &str,
+) -> DescribeEndpointResponse {
+    c.describe_endpoint(DescribeEndpointRequest {
+        endpoint_name: name.into(),
+    })
+    .await
+    .expect("describe endpoint")
+    .into_inner()
 }
 
 /// A router-side watch stream: send requests down `tx`, read tables from `rx`.
@@ -63,11 +85,27 @@ struct Watcher {
 
 impl Watcher {
     async fn connect(url: &str, node_id: &str, applied_version: u64) -> Self {
-        let mut client = RoutingDiscoveryClient::connect(url.to_string()).await.unwrap();
+        let mut client = RoutingDiscoveryClient::connect(url.to_string())
+            .await
+            .unwrap();
         let (tx, rx) = mpsc::channel(8);
-        tx.send(WatchRoutingTableRequest { node_id: node_id.into(), applied_version, ..Default::default() }).await.unwrap();
-        let rx = client.watch_routing_table(ReceiverStream::new(rx)).await.unwrap().into_inner();
-        Self { tx, rx, node_id: node_id.into() }
+        tx.send(WatchRoutingTableRequest {
+            node_id: node_id.into(),
+            applied_version,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let rx = client
+            .watch_routing_table(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Self {
+            tx,
+            rx,
+            node_id: node_id.into(),
+        }
     }
 
     async fn next(&mut self) -> (WatchRoutingTableResponse, RoutingTable) {
@@ -100,28 +138,63 @@ async fn configs_are_revisioned_and_endpoints_follow_them() {
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
 
-    let created = create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A, "http://127.0.0.1:9002/"])]).await;
+    let created = create_config(
+        &mut c,
+        "cfg",
+        vec![variant(
+            "v1",
+            RoutingStrategy::Random,
+            &[A, "http://127.0.0.1:9002/"],
+        )],
+    )
+    .await;
     assert_eq!(created.revision, 1);
-    assert_eq!(created.production_variants[0].instances, vec![A.to_string(), B.to_string()], "URLs normalized");
+    assert_eq!(
+        created.production_variants[0].instances,
+        vec![A.to_string(), B.to_string()],
+        "URLs normalized"
+    );
 
     let e = create_endpoint(&mut c, "ep", "cfg").await;
     let v_created = e.routing_table_version;
 
-    let up = update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::PrefixAware, &[A])], Some(1)).await.unwrap();
+    let up = update_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::PrefixAware, &[A])],
+        Some(1),
+    )
+    .await
+    .unwrap();
     assert_eq!(up.endpoint_config.as_ref().unwrap().revision, 2);
-    assert_eq!(up.routing_table_version, v_created + 1, "an update of a used config bumps the table version once");
+    assert_eq!(
+        up.routing_table_version,
+        v_created + 1,
+        "an update of a used config bumps the table version once"
+    );
 
     // Old revisions stay readable, so a user can roll back.
     let old = c
-        .describe_endpoint_config(DescribeEndpointConfigRequest { endpoint_config_name: "cfg".into(), revision: Some(1) })
+        .describe_endpoint_config(DescribeEndpointConfigRequest {
+            endpoint_config_name: "cfg".into(),
+            revision: Some(1),
+        })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(old.latest_revision, 2);
-    assert_eq!(old.endpoint_config.unwrap().production_variants[0].instances.len(), 2);
+    assert_eq!(
+        old.endpoint_config.unwrap().production_variants[0]
+            .instances
+            .len(),
+        2
+    );
     assert_eq!(old.endpoint_names, vec!["ep".to_string()]);
     let latest = c
-        .describe_endpoint_config(DescribeEndpointConfigRequest { endpoint_config_name: "cfg".into(), revision: None })
+        .describe_endpoint_config(DescribeEndpointConfigRequest {
+            endpoint_config_name: "cfg".into(),
+            revision: None,
+        })
         .await
         .unwrap()
         .into_inner()
@@ -131,23 +204,58 @@ async fn configs_are_revisioned_and_endpoints_follow_them() {
     assert_eq!(rc.routing_strategy, RoutingStrategy::PrefixAware as i32);
     assert_eq!(rc.prefix_aware_routing_config.unwrap().prefix_length, 2048);
     let missing = c
-        .describe_endpoint_config(DescribeEndpointConfigRequest { endpoint_config_name: "cfg".into(), revision: Some(9) })
+        .describe_endpoint_config(DescribeEndpointConfigRequest {
+            endpoint_config_name: "cfg".into(),
+            revision: Some(9),
+        })
         .await
         .unwrap_err();
     assert_eq!(missing.code(), Code::NotFound);
 
     // Optimistic concurrency.
-    let stale = update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])], Some(1)).await.unwrap_err();
+    let stale = update_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+        Some(1),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(stale.code(), Code::FailedPrecondition);
-    assert!(stale.message().contains("revision 2"), "{}", stale.message());
+    assert!(
+        stale.message().contains("revision 2"),
+        "{}",
+        stale.message()
+    );
 
     // A config in use cannot be deleted; re-pointing the endpoint frees it.
-    let refused = c.delete_endpoint_config(DeleteEndpointConfigRequest { endpoint_config_name: "cfg".into() }).await.unwrap_err();
+    let refused = c
+        .delete_endpoint_config(DeleteEndpointConfigRequest {
+            endpoint_config_name: "cfg".into(),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition);
-    assert!(refused.message().contains("\"ep\""), "{}", refused.message());
-    create_config(&mut c, "cfg2", vec![variant("v9", RoutingStrategy::LeastOutstandingRequests, &[B])]).await;
+    assert!(
+        refused.message().contains("\"ep\""),
+        "{}",
+        refused.message()
+    );
+    create_config(
+        &mut c,
+        "cfg2",
+        vec![variant(
+            "v9",
+            RoutingStrategy::LeastOutstandingRequests,
+            &[B],
+        )],
+    )
+    .await;
     let moved = c
-        .update_endpoint(UpdateEndpointRequest { endpoint_name: "ep".into(), endpoint_config_name: "cfg2".into() })
+        .update_endpoint(UpdateEndpointRequest {
+            endpoint_name: "ep".into(),
+            endpoint_config_name: "cfg2".into(),
+        })
         .await
         .unwrap()
         .into_inner()
@@ -155,17 +263,49 @@ async fn configs_are_revisioned_and_endpoints_follow_them() {
         .unwrap();
     assert_eq!(moved.endpoint_config_name, "cfg2");
     let d = describe_endpoint(&mut c, "ep").await;
-    assert_eq!(d.endpoint_config.unwrap().production_variants[0].variant_name, "v9");
+    assert_eq!(
+        d.endpoint_config.unwrap().production_variants[0].variant_name,
+        "v9"
+    );
     assert_eq!(d.current_routing_table_version, moved.routing_table_version);
-    c.delete_endpoint_config(DeleteEndpointConfigRequest { endpoint_config_name: "cfg".into() }).await.unwrap();
+    c.delete_endpoint_config(DeleteEndpointConfigRequest {
+        endpoint_config_name: "cfg".into(),
+    })
+    .await
+    .unwrap();
 
-    let configs = c.list_endpoint_configs(ListEndpointConfigsRequest {}).await.unwrap().into_inner().endpoint_configs;
-    assert_eq!(configs.iter().map(|c| c.endpoint_config_name.as_str()).collect::<Vec<_>>(), vec!["cfg2"]);
-    let endpoints = c.list_endpoints(ListEndpointsRequest {}).await.unwrap().into_inner().endpoints;
+    let configs = c
+        .list_endpoint_configs(ListEndpointConfigsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoint_configs;
+    assert_eq!(
+        configs
+            .iter()
+            .map(|c| c.endpoint_config_name.as_str())
+            .collect::<Vec<_>>(),
+        vec!["cfg2"]
+    );
+    let endpoints = c
+        .list_endpoints(ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoints;
     assert_eq!(endpoints.len(), 1);
 
-    c.delete_endpoint(DeleteEndpointRequest { endpoint_name: "ep".into() }).await.unwrap();
-    let gone = c.describe_endpoint(DescribeEndpointRequest { endpoint_name: "ep".into() }).await.unwrap_err();
+    c.delete_endpoint(DeleteEndpointRequest {
+        endpoint_name: "ep".into(),
+    })
+    .await
+    .unwrap();
+    let gone = c
+        .describe_endpoint(DescribeEndpointRequest {
+            endpoint_name: "ep".into(),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(gone.code(), Code::NotFound);
     let dup = c
         .create_endpoint_config(CreateEndpointConfigRequest {
@@ -183,47 +323,136 @@ async fn invalid_input_is_rejected_and_nothing_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+    )
+    .await;
     create_endpoint(&mut c, "ep", "cfg").await;
-    let before_configs = c.list_endpoint_configs(ListEndpointConfigsRequest {}).await.unwrap().into_inner();
-    let before_version = describe_endpoint(&mut c, "ep").await.current_routing_table_version;
+    let before_configs = c
+        .list_endpoint_configs(ListEndpointConfigsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let before_version = describe_endpoint(&mut c, "ep")
+        .await
+        .current_routing_table_version;
 
     let prefix = |len: u32, thr: u32| {
         let mut v = variant("v1", RoutingStrategy::PrefixAware, &[A]);
-        v.routing_config.as_mut().unwrap().prefix_aware_routing_config =
-            Some(PrefixAwareRoutingConfig { prefix_length: len, concurrency_threshold: thr });
+        v.routing_config
+            .as_mut()
+            .unwrap()
+            .prefix_aware_routing_config = Some(PrefixAwareRoutingConfig {
+            prefix_length: len,
+            concurrency_threshold: thr,
+        });
         v
     };
     let mut weight0 = variant("v1", RoutingStrategy::Random, &[A]);
     weight0.initial_variant_weight = Some(0.0);
     let mut bad_strategy = variant("v1", RoutingStrategy::Random, &[A]);
-    bad_strategy.routing_config.as_mut().unwrap().routing_strategy = 17;
+    bad_strategy
+        .routing_config
+        .as_mut()
+        .unwrap()
+        .routing_strategy = 17;
     let cases: Vec<(&str, Vec<ProductionVariant>, &str)> = vec![
-        ("", vec![variant("v1", RoutingStrategy::Random, &[A])], "endpoint_config_name"),
+        (
+            "",
+            vec![variant("v1", RoutingStrategy::Random, &[A])],
+            "endpoint_config_name",
+        ),
         ("cfg", vec![], "production_variants"),
-        ("cfg", vec![variant("", RoutingStrategy::Random, &[A])], "production_variants[0].variant_name"),
-        ("cfg", vec![variant("v1", RoutingStrategy::Random, &[A]), variant("v1", RoutingStrategy::Random, &[B])], "duplicate variant name \"v1\""),
+        (
+            "cfg",
+            vec![variant("", RoutingStrategy::Random, &[A])],
+            "production_variants[0].variant_name",
+        ),
+        (
+            "cfg",
+            vec![
+                variant("v1", RoutingStrategy::Random, &[A]),
+                variant("v1", RoutingStrategy::Random, &[B]),
+            ],
+            "duplicate variant name \"v1\"",
+        ),
         ("cfg", vec![bad_strategy], "unknown routing strategy 17"),
-        ("cfg", vec![weight0], "production_variants[0].initial_variant_weight"),
-        ("cfg", vec![prefix(63, 1)], "prefix_length: 63 is outside 64..=65536"),
-        ("cfg", vec![prefix(65537, 1)], "prefix_length: 65537 is outside"),
-        ("cfg", vec![prefix(64, 4097)], "concurrency_threshold: 4097 is outside 1..=4096"),
-        ("cfg", vec![variant("v1", RoutingStrategy::Random, &["not a url"])], "production_variants[0].instances[0]"),
-        ("cfg", vec![variant("v1", RoutingStrategy::Random, &["http://h:1/v1"])], "\"http://h:1/v1\""),
-        ("cfg", vec![variant("v1", RoutingStrategy::Random, &[A, A])], "duplicate instance"),
+        (
+            "cfg",
+            vec![weight0],
+            "production_variants[0].initial_variant_weight",
+        ),
+        (
+            "cfg",
+            vec![prefix(63, 1)],
+            "prefix_length: 63 is outside 64..=65536",
+        ),
+        (
+            "cfg",
+            vec![prefix(65537, 1)],
+            "prefix_length: 65537 is outside",
+        ),
+        (
+            "cfg",
+            vec![prefix(64, 4097)],
+            "concurrency_threshold: 4097 is outside 1..=4096",
+        ),
+        (
+            "cfg",
+            vec![variant("v1", RoutingStrategy::Random, &["not a url"])],
+            "production_variants[0].instances[0]",
+        ),
+        (
+            "cfg",
+            vec![variant("v1", RoutingStrategy::Random, &["http://h:1/v1"])],
+            "\"http://h:1/v1\"",
+        ),
+        (
+            "cfg",
+            vec![variant("v1", RoutingStrategy::Random, &[A, A])],
+            "duplicate instance",
+        ),
     ];
     for (name, variants, needle) in cases {
-        let err = update_config(&mut c, name, variants.clone(), None).await.unwrap_err();
-        assert_eq!(err.code(), Code::InvalidArgument, "{needle}: {}", err.message());
-        assert!(err.message().contains(needle), "expected {needle:?} in {:?}", err.message());
-        let err = c
-            .create_endpoint_config(CreateEndpointConfigRequest { endpoint_config_name: if name.is_empty() { String::new() } else { format!("{name}x") }, production_variants: variants })
+        let err = update_config(&mut c, name, variants.clone(), None)
             .await
             .unwrap_err();
-        assert_eq!(err.code(), Code::InvalidArgument, "{needle}: {}", err.message());
+        assert_eq!(
+            err.code(),
+            Code::InvalidArgument,
+            "{needle}: {}",
+            err.message()
+        );
+        assert!(
+            err.message().contains(needle),
+            "expected {needle:?} in {:?}",
+            err.message()
+        );
+        let err = c
+            .create_endpoint_config(CreateEndpointConfigRequest {
+                endpoint_config_name: if name.is_empty() {
+                    String::new()
+                } else {
+                    format!("{name}x")
+                },
+                production_variants: variants,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::InvalidArgument,
+            "{needle}: {}",
+            err.message()
+        );
     }
     let bad_endpoint = c
-        .create_endpoint(CreateEndpointRequest { endpoint_name: "no spaces".into(), endpoint_config_name: "cfg".into() })
+        .create_endpoint(CreateEndpointRequest {
+            endpoint_name: "no spaces".into(),
+            endpoint_config_name: "cfg".into(),
+        })
         .await
         .unwrap_err();
     assert_eq!(bad_endpoint.code(), Code::InvalidArgument);
@@ -237,7 +466,11 @@ async fn invalid_input_is_rejected_and_nothing_is_written() {
         .await
         .unwrap_err();
     assert_eq!(bad_register.code(), Code::InvalidArgument);
-    assert!(bad_register.message().contains("address"), "{}", bad_register.message());
+    assert!(
+        bad_register.message().contains("address"),
+        "{}",
+        bad_register.message()
+    );
     let bad_ttl = c
         .register_instance(RegisterInstanceRequest {
             endpoint_name: "ep".into(),
@@ -247,7 +480,11 @@ async fn invalid_input_is_rejected_and_nothing_is_written() {
         })
         .await
         .unwrap_err();
-    assert!(bad_ttl.message().contains("lease_ttl_seconds: 7200"), "{}", bad_ttl.message());
+    assert!(
+        bad_ttl.message().contains("lease_ttl_seconds: 7200"),
+        "{}",
+        bad_ttl.message()
+    );
     let unknown_variant = c
         .register_instance(RegisterInstanceRequest {
             endpoint_name: "ep".into(),
@@ -259,10 +496,20 @@ async fn invalid_input_is_rejected_and_nothing_is_written() {
         .unwrap_err();
     assert_eq!(unknown_variant.code(), Code::NotFound);
 
-    let after_configs = c.list_endpoint_configs(ListEndpointConfigsRequest {}).await.unwrap().into_inner();
-    assert_eq!(before_configs, after_configs, "a rejected request writes nothing");
+    let after_configs = c
+        .list_endpoint_configs(ListEndpointConfigsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        before_configs, after_configs,
+        "a rejected request writes nothing"
+    );
     let d = describe_endpoint(&mut c, "ep").await;
-    assert_eq!(d.current_routing_table_version, before_version, "a rejected request bumps no version");
+    assert_eq!(
+        d.current_routing_table_version, before_version,
+        "a rejected request bumps no version"
+    );
     assert!(d.registered_instances.is_empty());
 }
 
@@ -271,30 +518,52 @@ async fn watcher_gets_current_table_then_each_version_and_reports_rollout() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+    )
+    .await;
     let ep = create_endpoint(&mut c, "ep", "cfg").await;
 
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
     let (resp, table) = w.next().await;
-    assert_eq!(resp.version, ep.routing_table_version, "the current table at once");
+    assert_eq!(
+        resp.version, ep.routing_table_version,
+        "the current table at once"
+    );
     assert_eq!(table.endpoints[0].variants[0].instances[0].address, A);
     w.reply(&resp, "").await;
     wait_for("ACK recorded", Duration::from_secs(5), || {
         let mut c = c.clone();
         async move {
             let d = describe_endpoint(&mut c, "ep").await;
-            d.data_planes.iter().find(|n| n.node_id == "router-1" && n.up_to_date && n.connected).map(|_| ())
+            d.data_planes
+                .iter()
+                .find(|n| n.node_id == "router-1" && n.up_to_date && n.connected)
+                .map(|_| ())
         }
     })
     .await;
 
     // Each new version arrives, in order.
     let mut last = resp.version;
-    for (i, strategy) in [RoutingStrategy::PrefixAware, RoutingStrategy::LeastOutstandingRequests, RoutingStrategy::Random]
-        .into_iter()
-        .enumerate()
+    for (i, strategy) in [
+        RoutingStrategy::PrefixAware,
+        RoutingStrategy::LeastOutstandingRequests,
+        RoutingStrategy::Random,
+    ]
+    .into_iter()
+    .enumerate()
     {
-        let up = update_config(&mut c, "cfg", vec![variant("v1", strategy, &[A, B])], Some(i as u64 + 1)).await.unwrap();
+        let up = update_config(
+            &mut c,
+            "cfg",
+            vec![variant("v1", strategy, &[A, B])],
+            Some(i as u64 + 1),
+        )
+        .await
+        .unwrap();
         let (resp, table) = w.next().await;
         assert_eq!(resp.version, up.routing_table_version);
         assert!(resp.version > last);
@@ -304,7 +573,8 @@ async fn watcher_gets_current_table_then_each_version_and_reports_rollout() {
         assert_eq!(v.instances.len(), 2);
         assert_eq!(table.endpoints[0].endpoint_config_revision, i as u64 + 2);
         if i == 2 {
-            w.reply(&resp, "instance URL unreachable in this test").await;
+            w.reply(&resp, "instance URL unreachable in this test")
+                .await;
         } else {
             w.reply(&resp, "").await;
         }
@@ -314,11 +584,18 @@ async fn watcher_gets_current_table_then_each_version_and_reports_rollout() {
         let mut c = c.clone();
         async move {
             let d = describe_endpoint(&mut c, "ep").await;
-            d.data_planes.iter().any(|n| n.node_id == "router-1" && !n.last_nack.is_empty()).then_some(d)
+            d.data_planes
+                .iter()
+                .any(|n| n.node_id == "router-1" && !n.last_nack.is_empty())
+                .then_some(d)
         }
     })
     .await;
-    let node = d.data_planes.iter().find(|n| n.node_id == "router-1").unwrap();
+    let node = d
+        .data_planes
+        .iter()
+        .find(|n| n.node_id == "router-1")
+        .unwrap();
     assert!(!node.up_to_date);
     assert_eq!(node.applied_version, last - 1);
     assert_eq!(d.endpoint.unwrap().routing_table_version, last);
@@ -330,10 +607,18 @@ async fn metrics_report_rpcs_watchers_and_each_nodes_lag() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start_with_metrics(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+    )
+    .await;
     let ep = create_endpoint(&mut c, "ep", "cfg").await;
     let again = c
-        .create_endpoint(CreateEndpointRequest { endpoint_name: "ep".into(), endpoint_config_name: "cfg".into() })
+        .create_endpoint(CreateEndpointRequest {
+            endpoint_name: "ep".into(),
+            endpoint_config_name: "cfg".into(),
+        })
         .await
         .unwrap_err();
     assert_eq!(again.code(), Code::AlreadyExists);
@@ -348,33 +633,79 @@ async fn metrics_report_rpcs_watchers_and_each_nodes_lag() {
             "prefix_router_control_plane_rpc_requests_total{{service=\"prefixrouter.v1.ControlPlane\",method=\"{method}\",code=\"{code}\"}} 1\n"
         )
     };
-    for (method, code) in [("CreateEndpointConfig", "OK"), ("CreateEndpoint", "OK"), ("CreateEndpoint", "AlreadyExists")] {
-        assert!(text.contains(&rpc(method, code)), "no {method} {code} in:\n{text}");
+    for (method, code) in [
+        ("CreateEndpointConfig", "OK"),
+        ("CreateEndpoint", "OK"),
+        ("CreateEndpoint", "AlreadyExists"),
+    ] {
+        assert!(
+            text.contains(&rpc(method, code)),
+            "no {method} {code} in:\n{text}"
+        );
     }
     assert!(text.contains("prefix_router_control_plane_rpc_duration_seconds_count{service=\"prefixrouter.v1.ControlPlane\",method=\"CreateEndpoint\",code=\"OK\"} 1\n"), "{text}");
-    assert!(text.contains(&format!("prefix_router_control_plane_routing_table_version {current}\n")), "{text}");
-    assert!(text.contains("prefix_router_control_plane_watch_streams 1\n"), "{text}");
-    assert!(text.contains(&format!("prefix_router_control_plane_node_version_lag{{node_id=\"router-1\"}} {current}\n")), "{text}");
-    assert!(text.contains("prefix_router_control_plane_node_connected{node_id=\"router-1\"} 1\n"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "prefix_router_control_plane_routing_table_version {current}\n"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("prefix_router_control_plane_watch_streams 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "prefix_router_control_plane_node_version_lag{{node_id=\"router-1\"}} {current}\n"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("prefix_router_control_plane_node_connected{node_id=\"router-1\"} 1\n"),
+        "{text}"
+    );
 
     // After its ACK it is up to date; after a new version, one behind again.
     w.reply(&resp, "").await;
     wait_for("the ACK in the metrics", Duration::from_secs(5), || async {
         let text = cp.metrics().await;
-        text.contains("prefix_router_control_plane_node_version_lag{node_id=\"router-1\"} 0\n").then_some(())
+        text.contains("prefix_router_control_plane_node_version_lag{node_id=\"router-1\"} 0\n")
+            .then_some(())
     })
     .await;
     let text = cp.metrics().await;
-    assert!(text.contains(&format!("prefix_router_control_plane_node_applied_version{{node_id=\"router-1\"}} {current}\n")), "{text}");
-    update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::PrefixAware, &[A])], None).await.unwrap();
+    assert!(
+        text.contains(&format!(
+            "prefix_router_control_plane_node_applied_version{{node_id=\"router-1\"}} {current}\n"
+        )),
+        "{text}"
+    );
+    update_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::PrefixAware, &[A])],
+        None,
+    )
+    .await
+    .unwrap();
     let text = cp.metrics().await;
-    assert!(text.contains("prefix_router_control_plane_node_version_lag{node_id=\"router-1\"} 1\n"), "{text}");
+    assert!(
+        text.contains("prefix_router_control_plane_node_version_lag{node_id=\"router-1\"} 1\n"),
+        "{text}"
+    );
 
     // A dropped watcher is no longer connected.
     drop(w);
-    wait_for("the watcher gone from the metrics", Duration::from_secs(5), || async {
-        cp.metrics().await.contains("prefix_router_control_plane_watch_streams 0\n").then_some(())
-    })
+    wait_for(
+        "the watcher gone from the metrics",
+        Duration::from_secs(5),
+        || async {
+            cp.metrics()
+                .await
+                .contains("prefix_router_control_plane_watch_streams 0\n")
+                .then_some(())
+        },
+    )
     .await;
     cp.stop().await.unwrap();
 }
@@ -384,12 +715,24 @@ async fn reconnect_with_current_version_gets_no_resend() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+    )
+    .await;
     let ep = create_endpoint(&mut c, "ep", "cfg").await;
 
     let mut w = Watcher::connect(&cp.url, "router-1", ep.routing_table_version).await;
     // Nothing is resent for the version it holds: the first thing it receives is the next one.
-    let up = update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::PrefixAware, &[A])], None).await.unwrap();
+    let up = update_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::PrefixAware, &[A])],
+        None,
+    )
+    .await
+    .unwrap();
     let (resp, _) = w.next().await;
     assert_eq!(resp.version, up.routing_table_version);
     assert_eq!(resp.version, ep.routing_table_version + 1);
@@ -400,7 +743,12 @@ async fn concurrent_updates_lose_no_write_and_reuse_no_version() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+    )
+    .await;
     let ep = create_endpoint(&mut c, "ep", "cfg").await;
 
     let mut tasks = Vec::new();
@@ -410,8 +758,18 @@ async fn concurrent_updates_lose_no_write_and_reuse_no_version() {
             let mut versions = Vec::new();
             for i in 0..6 {
                 let addr = format!("http://127.0.0.1:{}", 10_000 + t * 100 + i);
-                let up = update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[&addr])], None).await.unwrap();
-                versions.push((up.routing_table_version, up.endpoint_config.unwrap().revision));
+                let up = update_config(
+                    &mut c,
+                    "cfg",
+                    vec![variant("v1", RoutingStrategy::Random, &[&addr])],
+                    None,
+                )
+                .await
+                .unwrap();
+                versions.push((
+                    up.routing_table_version,
+                    up.endpoint_config.unwrap().revision,
+                ));
             }
             versions
         }));
@@ -427,18 +785,31 @@ async fn concurrent_updates_lose_no_write_and_reuse_no_version() {
     versions.dedup();
     revisions.dedup();
     assert_eq!(versions.len(), 48, "every update got its own version");
-    assert_eq!(revisions, (2..=49).collect::<Vec<_>>(), "every update got its own revision");
+    assert_eq!(
+        revisions,
+        (2..=49).collect::<Vec<_>>(),
+        "every update got its own revision"
+    );
     let d = describe_endpoint(&mut c, "ep").await;
-    assert_eq!(d.current_routing_table_version, ep.routing_table_version + 48);
+    assert_eq!(
+        d.current_routing_table_version,
+        ep.routing_table_version + 48
+    );
     assert_eq!(d.endpoint_config.unwrap().revision, 49);
 }
 
 #[tokio::test]
 async fn registered_instances_join_the_table_and_leave_when_their_lease_expires() {
     let dir = tempfile::tempdir().unwrap();
-    let cp = InProcessControlPlane::start_with_lease_check(dir.path(), Duration::from_millis(50)).await;
+    let cp =
+        InProcessControlPlane::start_with_lease_check(dir.path(), Duration::from_millis(50)).await;
     let mut c = cp.client().await;
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::PrefixAware, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::PrefixAware, &[A])],
+    )
+    .await;
     create_endpoint(&mut c, "ep", "cfg").await;
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
     w.next().await;
@@ -449,27 +820,74 @@ async fn registered_instances_join_the_table_and_leave_when_their_lease_expires(
         address: addr.into(),
         lease_ttl_seconds: ttl,
     };
-    let short = c.register_instance(reg(B, 1)).await.unwrap().into_inner().instance.unwrap();
-    let long = c.register_instance(reg("http://127.0.0.1:9003", 600)).await.unwrap().into_inner().instance.unwrap();
-    let again = c.register_instance(reg("http://127.0.0.1:9003", 600)).await.unwrap().into_inner().instance.unwrap();
-    assert_eq!(long.instance_id, again.instance_id, "re-registering an address renews it");
+    let short = c
+        .register_instance(reg(B, 1))
+        .await
+        .unwrap()
+        .into_inner()
+        .instance
+        .unwrap();
+    let long = c
+        .register_instance(reg("http://127.0.0.1:9003", 600))
+        .await
+        .unwrap()
+        .into_inner()
+        .instance
+        .unwrap();
+    let again = c
+        .register_instance(reg("http://127.0.0.1:9003", 600))
+        .await
+        .unwrap()
+        .into_inner()
+        .instance
+        .unwrap();
+    assert_eq!(
+        long.instance_id, again.instance_id,
+        "re-registering an address renews it"
+    );
     uuid_like(&short.instance_id);
 
     let (_, t1) = w.next().await;
-    let ids = |t: &RoutingTable| t.endpoints[0].variants[0].instances.iter().map(|i| i.instance_id.clone()).collect::<Vec<_>>();
+    let ids = |t: &RoutingTable| {
+        t.endpoints[0].variants[0]
+            .instances
+            .iter()
+            .map(|i| i.instance_id.clone())
+            .collect::<Vec<_>>()
+    };
     assert!(ids(&t1).contains(&short.instance_id));
     let (_, t2) = w.next().await;
-    assert_eq!(ids(&t2), vec![A.to_string(), short.instance_id.clone(), long.instance_id.clone()]);
+    assert_eq!(
+        ids(&t2),
+        vec![
+            A.to_string(),
+            short.instance_id.clone(),
+            long.instance_id.clone()
+        ]
+    );
 
     // The short lease is not renewed: the instance leaves the table by itself.
     let (_, t3) = w.next().await;
     assert_eq!(ids(&t3), vec![A.to_string(), long.instance_id.clone()]);
 
-    c.renew_instance_lease(RenewInstanceLeaseRequest { instance_id: long.instance_id.clone() }).await.unwrap();
-    c.deregister_instance(DeregisterInstanceRequest { instance_id: long.instance_id.clone() }).await.unwrap();
+    c.renew_instance_lease(RenewInstanceLeaseRequest {
+        instance_id: long.instance_id.clone(),
+    })
+    .await
+    .unwrap();
+    c.deregister_instance(DeregisterInstanceRequest {
+        instance_id: long.instance_id.clone(),
+    })
+    .await
+    .unwrap();
     let (_, t4) = w.next().await;
     assert_eq!(ids(&t4), vec![A.to_string()]);
-    let err = c.deregister_instance(DeregisterInstanceRequest { instance_id: long.instance_id }).await.unwrap_err();
+    let err = c
+        .deregister_instance(DeregisterInstanceRequest {
+            instance_id: long.instance_id,
+        })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
 }
 
@@ -485,9 +903,21 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
     let data = data_dir.to_str().unwrap();
     let mut server = ChildServer::start("control-plane", &["--data-dir", data]).unwrap();
     let mut c = ControlPlaneClient::connect(server.url()).await.unwrap();
-    create_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])]).await;
+    create_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+    )
+    .await;
     create_endpoint(&mut c, "ep", "cfg").await;
-    let up = update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::PrefixAware, &[A, B])], Some(1)).await.unwrap();
+    let up = update_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::PrefixAware, &[A, B])],
+        Some(1),
+    )
+    .await
+    .unwrap();
     let inst = c
         .register_instance(RegisterInstanceRequest {
             endpoint_name: "ep".into(),
@@ -501,7 +931,10 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
         .instance
         .unwrap();
     let before = describe_endpoint(&mut c, "ep").await;
-    assert_eq!(before.current_routing_table_version, up.routing_table_version + 1);
+    assert_eq!(
+        before.current_routing_table_version,
+        up.routing_table_version + 1
+    );
 
     // A second control plane on the same data dir is refused with one clear line.
     let out = std::process::Command::new(integration_tests::bin("control-plane"))
@@ -517,23 +950,44 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
     let server = ChildServer::start("control-plane", &["--data-dir", data]).unwrap();
     let mut c = ControlPlaneClient::connect(server.url()).await.unwrap();
     let after = describe_endpoint(&mut c, "ep").await;
-    assert_eq!(after.current_routing_table_version, before.current_routing_table_version);
+    assert_eq!(
+        after.current_routing_table_version,
+        before.current_routing_table_version
+    );
     assert_eq!(after.endpoint, before.endpoint);
     assert_eq!(after.endpoint_config, before.endpoint_config);
     assert_eq!(after.registered_instances, vec![inst]);
     let r1 = c
-        .describe_endpoint_config(DescribeEndpointConfigRequest { endpoint_config_name: "cfg".into(), revision: Some(1) })
+        .describe_endpoint_config(DescribeEndpointConfigRequest {
+            endpoint_config_name: "cfg".into(),
+            revision: Some(1),
+        })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(r1.latest_revision, 2);
     // The counter goes on from where it was.
-    let up2 = update_config(&mut c, "cfg", vec![variant("v1", RoutingStrategy::Random, &[A])], Some(2)).await.unwrap();
-    assert_eq!(up2.routing_table_version, before.current_routing_table_version + 1);
+    let up2 = update_config(
+        &mut c,
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[A])],
+        Some(2),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        up2.routing_table_version,
+        before.current_routing_table_version + 1
+    );
 
     // The port taken: one clear line, non-zero exit.
     let out = std::process::Command::new(integration_tests::bin("control-plane"))
-        .args(["--data-dir", dir.path().join("other").to_str().unwrap(), "--listen", &server.addr.to_string()])
+        .args([
+            "--data-dir",
+            dir.path().join("other").to_str().unwrap(),
+            "--listen",
+            &server.addr.to_string(),
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -547,8 +1001,14 @@ async fn reflection_lists_the_services() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let services = list_services(&cp.url).await;
-    for s in ["prefixrouter.v1.ControlPlane", "prefixrouter.v1.RoutingDiscovery"] {
-        assert!(services.iter().any(|x| x == s), "{s} missing from {services:?}");
+    for s in [
+        "prefixrouter.v1.ControlPlane",
+        "prefixrouter.v1.RoutingDiscovery",
+    ] {
+        assert!(
+            services.iter().any(|x| x == s),
+            "{s} missing from {services:?}"
+        );
     }
 }
 
@@ -560,13 +1020,26 @@ mod tonic_reflection_client {
     use tonic_reflection::pb::v1::ServerReflectionRequest;
 
     pub async fn list_services(url: &str) -> Vec<String> {
-        let channel = tonic::transport::Endpoint::from_shared(url.to_string()).unwrap().connect().await.unwrap();
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
         let mut client = ServerReflectionClient::new(channel);
-        let req = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
-        let mut stream = client.server_reflection_info(tokio_stream::iter(vec![req])).await.unwrap().into_inner();
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut stream = client
+            .server_reflection_info(tokio_stream::iter(vec![req]))
+            .await
+            .unwrap()
+            .into_inner();
         let resp = stream.message().await.unwrap().unwrap();
         match resp.message_response {
-            Some(MessageResponse::ListServicesResponse(l)) => l.service.into_iter().map(|s| s.name).collect(),
+            Some(MessageResponse::ListServicesResponse(l)) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
             other => panic!("unexpected reflection answer {other:?}"),
         }
     }

@@ -12,8 +12,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use tokio::sync::{mpsc, Mutex};
@@ -47,7 +51,9 @@ impl TraceService for Collector {
                 }
             }
         }
-        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
     }
 }
 
@@ -76,7 +82,9 @@ impl Received {
     async fn collect(&self) -> Vec<(String, Span)> {
         let guard = self.guard.clone();
         // force_flush blocks until the export is done; the export itself runs on this runtime.
-        tokio::task::spawn_blocking(move || guard.force_flush()).await.unwrap();
+        tokio::task::spawn_blocking(move || guard.force_flush())
+            .await
+            .unwrap();
         let mut rx = self.rx.lock().await;
         let mut spans = self.spans.lock().await;
         while let Ok(s) = rx.try_recv() {
@@ -87,25 +95,37 @@ impl Received {
 
     /// Waits until `pick` finds what it looks for in the spans received.
     async fn wait_for<T>(&self, what: &str, pick: impl Fn(&[(String, Span)]) -> Option<T>) -> T {
-        integration_tests::wait_for(what, Duration::from_secs(20), || async { pick(&self.collect().await) }).await
+        integration_tests::wait_for(what, Duration::from_secs(20), || async {
+            pick(&self.collect().await)
+        })
+        .await
     }
 }
 
 fn attr<'a>(span: &'a Span, key: &str) -> Option<&'a Value> {
-    span.attributes.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.as_ref()?.value.as_ref())
+    span.attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref()?.value.as_ref())
 }
 
 fn str_attr<'a>(span: &'a Span, key: &str) -> &'a str {
     match attr(span, key) {
         Some(Value::StringValue(s)) => s,
-        other => panic!("span {} has no string attribute {key}: {other:?}", span.name),
+        other => panic!(
+            "span {} has no string attribute {key}: {other:?}",
+            span.name
+        ),
     }
 }
 
 fn int_attr(span: &Span, key: &str) -> i64 {
     match attr(span, key) {
         Some(Value::IntValue(i)) => *i,
-        other => panic!("span {} has no integer attribute {key}: {other:?}", span.name),
+        other => panic!(
+            "span {} has no integer attribute {key}: {other:?}",
+            span.name
+        ),
     }
 }
 
@@ -116,9 +136,17 @@ fn hex(bytes: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_links_client_router_and_engine() {
     let (collector, rx) = start_collector().await;
-    let guard = telemetry::init("prefix-router-test", telemetry::LogFormat::Text, Some(collector));
+    let guard = telemetry::init(
+        "prefix-router-test",
+        telemetry::LogFormat::Text,
+        Some(collector),
+    );
     assert!(guard.exporting());
-    let received = Received { guard: Arc::new(guard), rx: Mutex::new(rx), spans: Mutex::new(Vec::new()) };
+    let received = Received {
+        guard: Arc::new(guard),
+        rx: Mutex::new(rx),
+        spans: Mutex::new(Vec::new()),
+    };
 
     let fleet = common::Fleet::start().await;
 
@@ -128,11 +156,30 @@ async fn one_trace_links_client_router_and_engine() {
     let traceparent = format!("00-{trace_id}-{client_span}-01");
     let content = "Summarize the history of the printing press in three sentences.";
     let answer = fleet.chat(content, &[("traceparent", &traceparent)]).await;
-    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
-    let decision = answer.headers["x-prefix-router-decision"].to_str().unwrap().to_string();
-    let version: i64 = answer.headers["x-prefix-router-table-version"].to_str().unwrap().parse().unwrap();
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let decision = answer.headers["x-prefix-router-decision"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let version: i64 = answer.headers["x-prefix-router-table-version"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
 
-    let names = ["route", "upstream", "completion", "queue", "prefill", "decode"];
+    let names = [
+        "route",
+        "upstream",
+        "completion",
+        "queue",
+        "prefill",
+        "decode",
+    ];
     let trace: HashMap<String, Span> = received
         .wait_for("the request's spans", |spans| {
             let mine: HashMap<String, Span> = spans
@@ -145,21 +192,40 @@ async fn one_trace_links_client_router_and_engine() {
         .await;
     let all = received.collect().await;
     assert_eq!(
-        all.iter().filter(|(_, s)| hex(&s.trace_id) == trace_id && s.name == "route").count(),
+        all.iter()
+            .filter(|(_, s)| hex(&s.trace_id) == trace_id && s.name == "route")
+            .count(),
         1,
         "one route span per request"
     );
-    assert!(all.iter().all(|(service, _)| service == "prefix-router-test"), "service.name is the init default");
+    assert!(
+        all.iter()
+            .all(|(service, _)| service == "prefix-router-test"),
+        "service.name is the init default"
+    );
 
     // The chain of parents: client -> route -> upstream -> completion -> queue / prefill / decode.
     let route = &trace["route"];
     let upstream = &trace["upstream"];
     let completion = &trace["completion"];
-    assert_eq!(hex(&route.parent_span_id), client_span, "route is a child of the caller's span");
-    assert_eq!(upstream.parent_span_id, route.span_id, "upstream is a child of route");
-    assert_eq!(completion.parent_span_id, upstream.span_id, "the engine continues the upstream span's trace");
+    assert_eq!(
+        hex(&route.parent_span_id),
+        client_span,
+        "route is a child of the caller's span"
+    );
+    assert_eq!(
+        upstream.parent_span_id, route.span_id,
+        "upstream is a child of route"
+    );
+    assert_eq!(
+        completion.parent_span_id, upstream.span_id,
+        "the engine continues the upstream span's trace"
+    );
     for child in ["queue", "prefill", "decode"] {
-        assert_eq!(trace[child].parent_span_id, completion.span_id, "{child} is a child of completion");
+        assert_eq!(
+            trace[child].parent_span_id, completion.span_id,
+            "{child} is a child of completion"
+        );
     }
 
     // The routing decision, recorded on route.
@@ -170,7 +236,10 @@ async fn one_trace_links_client_router_and_engine() {
     assert_eq!(str_attr(route, "instance"), fleet.engine_url);
     assert_eq!(int_attr(route, "table_version"), version);
     let request_bytes = int_attr(route, "request_bytes");
-    assert!(request_bytes > content.len() as i64, "request_bytes {request_bytes}");
+    assert!(
+        request_bytes > content.len() as i64,
+        "request_bytes {request_bytes}"
+    );
     assert_eq!(int_attr(route, "status"), 200);
 
     // The upstream call and the engine's work.
@@ -181,22 +250,43 @@ async fn one_trace_links_client_router_and_engine() {
     let prefill = &trace["prefill"];
     let prompt_tokens = int_attr(prefill, "prompt_tokens");
     assert!(prompt_tokens > 0);
-    assert_eq!(int_attr(prefill, "cached_tokens") + int_attr(prefill, "uncached_tokens"), prompt_tokens);
+    assert_eq!(
+        int_attr(prefill, "cached_tokens") + int_attr(prefill, "uncached_tokens"),
+        prompt_tokens
+    );
     assert_eq!(int_attr(completion, "prompt_tokens"), prompt_tokens);
     assert_eq!(int_attr(&trace["decode"], "tokens"), 4);
 
     // The SDK's calls carried the caller's context: the control plane's method spans are children
     // of the client's `setup` span, in its trace.
     let spans = received.collect().await;
-    let setup = spans.iter().map(|(_, s)| s).find(|s| s.name == "setup").expect("the client's setup span");
+    let setup = spans
+        .iter()
+        .map(|(_, s)| s)
+        .find(|s| s.name == "setup")
+        .expect("the client's setup span");
     for method in ["CreateEndpointConfig", "CreateEndpoint"] {
         let name = format!("prefixrouter.v1.ControlPlane/{method}");
-        let rpc = spans.iter().map(|(_, s)| s).find(|s| s.name == name).unwrap_or_else(|| panic!("no {name} span"));
-        assert_eq!(rpc.trace_id, setup.trace_id, "{name} joins the caller's trace");
-        assert_eq!(rpc.parent_span_id, setup.span_id, "{name} is a child of the caller's span");
+        let rpc = spans
+            .iter()
+            .map(|(_, s)| s)
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no {name} span"));
+        assert_eq!(
+            rpc.trace_id, setup.trace_id,
+            "{name} joins the caller's trace"
+        );
+        assert_eq!(
+            rpc.parent_span_id, setup.span_id,
+            "{name} is a child of the caller's span"
+        );
         assert_eq!(str_attr(rpc, "endpoint_config"), common::ENDPOINT);
     }
-    let create = spans.iter().map(|(_, s)| s).find(|s| s.name == "prefixrouter.v1.ControlPlane/CreateEndpoint").unwrap();
+    let create = spans
+        .iter()
+        .map(|(_, s)| s)
+        .find(|s| s.name == "prefixrouter.v1.ControlPlane/CreateEndpoint")
+        .unwrap();
     assert!(int_attr(create, "routing_table_version") >= 2);
 
     // Each table push to the data plane is a span that ends with the node's ACK.
@@ -216,11 +306,17 @@ async fn one_trace_links_client_router_and_engine() {
     assert_eq!(int_attr(&push, "version"), version);
 
     // A request without traceparent starts its own trace, rooted at route.
-    let answer = fleet.chat("A different question with no trace context.", &[]).await;
+    let answer = fleet
+        .chat("A different question with no trace context.", &[])
+        .await;
     assert_eq!(answer.status, 200);
     let root = received
         .wait_for("the untraced request's route span", |spans| {
-            spans.iter().map(|(_, s)| s).find(|s| s.name == "route" && hex(&s.trace_id) != trace_id).cloned()
+            spans
+                .iter()
+                .map(|(_, s)| s)
+                .find(|s| s.name == "route" && hex(&s.trace_id) != trace_id)
+                .cloned()
         })
         .await;
     assert!(root.parent_span_id.is_empty(), "a root span");

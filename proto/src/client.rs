@@ -98,7 +98,10 @@ impl Error {
     }
 
     fn api(code: Code, message: impl Into<String>) -> Self {
-        Error::Api { code, message: message.into() }
+        Error::Api {
+            code,
+            message: message.into(),
+        }
     }
 }
 
@@ -120,7 +123,11 @@ pub struct ClientOptions {
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        Self { connect_timeout: Duration::from_secs(5), request_timeout: Duration::from_secs(30), bearer_token: None }
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            bearer_token: None,
+        }
     }
 }
 
@@ -142,7 +149,13 @@ impl CallMetadata {
     pub fn new(token: Option<&str>) -> Result<Self, Error> {
         let header = token
             .map(|t| {
-                format!("Bearer {}", t.trim()).parse::<MetadataValue<Ascii>>().map_err(|_| Error::InvalidToken("it contains characters not allowed in a header value".into()))
+                format!("Bearer {}", t.trim())
+                    .parse::<MetadataValue<Ascii>>()
+                    .map_err(|_| {
+                        Error::InvalidToken(
+                            "it contains characters not allowed in a header value".into(),
+                        )
+                    })
             })
             .transpose()?;
         Ok(Self { header })
@@ -165,16 +178,19 @@ fn inject_trace_context(metadata: &mut tonic::metadata::MetadataMap) {
     struct MetadataInjector<'a>(&'a mut tonic::metadata::MetadataMap);
     impl opentelemetry::propagation::Injector for MetadataInjector<'_> {
         fn set(&mut self, key: &str, value: String) {
-            if let (Ok(key), Ok(value)) =
-                (tonic::metadata::MetadataKey::from_bytes(key.as_bytes()), MetadataValue::try_from(value.as_str()))
-            {
+            if let (Ok(key), Ok(value)) = (
+                tonic::metadata::MetadataKey::from_bytes(key.as_bytes()),
+                MetadataValue::try_from(value.as_str()),
+            ) {
                 self.0.insert(key, value);
             }
         }
     }
     let cx = opentelemetry::Context::current();
     if cx.span().span_context().is_valid() {
-        opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MetadataInjector(metadata)));
+        opentelemetry::global::get_text_map_propagator(|p| {
+            p.inject_context(&cx, &mut MetadataInjector(metadata))
+        });
     }
 }
 
@@ -216,7 +232,10 @@ pub struct EndpointDescription {
 impl EndpointDescription {
     /// True when every connected data plane has applied this endpoint's latest routes.
     pub fn rolled_out(&self) -> bool {
-        self.data_planes.iter().filter(|d| d.connected).all(|d| d.up_to_date)
+        self.data_planes
+            .iter()
+            .filter(|d| d.connected)
+            .all(|d| d.up_to_date)
     }
 }
 
@@ -236,14 +255,23 @@ impl Client {
     }
 
     /// Connects to `url` (`http://host:port`; a bare `host:port` means `http://host:port`).
-    pub async fn connect_with(url: impl Into<String>, options: ClientOptions) -> Result<Self, Error> {
+    pub async fn connect_with(
+        url: impl Into<String>,
+        options: ClientOptions,
+    ) -> Result<Self, Error> {
         let given: String = url.into();
         let url = normalize_url(&given);
         let endpoint = TonicEndpoint::from_shared(url.clone())
-            .map_err(|e| Error::InvalidUrl { url: given.clone(), cause: error_chain(&e) })?
+            .map_err(|e| Error::InvalidUrl {
+                url: given.clone(),
+                cause: error_chain(&e),
+            })?
             .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true);
-        let channel = endpoint.connect().await.map_err(|e| Error::Unreachable { url: url.clone(), cause: error_chain(&e) })?;
+        let channel = endpoint.connect().await.map_err(|e| Error::Unreachable {
+            url: url.clone(),
+            cause: error_chain(&e),
+        })?;
         let auth = CallMetadata::new(options.bearer_token.as_deref())?;
         Ok(Self {
             control_plane: ControlPlaneClient::with_interceptor(channel.clone(), auth.clone()),
@@ -275,8 +303,16 @@ impl Client {
         name: &str,
         production_variants: Vec<ProductionVariant>,
     ) -> Result<EndpointConfig, Error> {
-        let req = CreateEndpointConfigRequest { endpoint_config_name: name.into(), production_variants };
-        let resp = self.unary(req, |mut c, r| async move { c.create_endpoint_config(r).await }).await?;
+        let req = CreateEndpointConfigRequest {
+            endpoint_config_name: name.into(),
+            production_variants,
+        };
+        let resp = self
+            .unary(
+                req,
+                |mut c, r| async move { c.create_endpoint_config(r).await },
+            )
+            .await?;
         required(resp.endpoint_config, "endpoint_config")
     }
 
@@ -288,8 +324,17 @@ impl Client {
         production_variants: Vec<ProductionVariant>,
         expected_revision: Option<u64>,
     ) -> Result<UpdatedEndpointConfig, Error> {
-        let req = UpdateEndpointConfigRequest { endpoint_config_name: name.into(), production_variants, expected_revision };
-        let resp = self.unary(req, |mut c, r| async move { c.update_endpoint_config(r).await }).await?;
+        let req = UpdateEndpointConfigRequest {
+            endpoint_config_name: name.into(),
+            production_variants,
+            expected_revision,
+        };
+        let resp = self
+            .unary(
+                req,
+                |mut c, r| async move { c.update_endpoint_config(r).await },
+            )
+            .await?;
         Ok(UpdatedEndpointConfig {
             endpoint_config: required(resp.endpoint_config, "endpoint_config")?,
             routing_table_version: resp.routing_table_version,
@@ -302,8 +347,15 @@ impl Client {
         name: &str,
         revision: Option<u64>,
     ) -> Result<EndpointConfigDescription, Error> {
-        let req = DescribeEndpointConfigRequest { endpoint_config_name: name.into(), revision };
-        let resp = self.unary(req, |mut c, r| async move { c.describe_endpoint_config(r).await }).await?;
+        let req = DescribeEndpointConfigRequest {
+            endpoint_config_name: name.into(),
+            revision,
+        };
+        let resp = self
+            .unary(req, |mut c, r| async move {
+                c.describe_endpoint_config(r).await
+            })
+            .await?;
         Ok(EndpointConfigDescription {
             endpoint_config: required(resp.endpoint_config, "endpoint_config")?,
             latest_revision: resp.latest_revision,
@@ -312,13 +364,23 @@ impl Client {
     }
 
     pub async fn list_endpoint_configs(&self) -> Result<Vec<EndpointConfig>, Error> {
-        let resp = self.unary(ListEndpointConfigsRequest {}, |mut c, r| async move { c.list_endpoint_configs(r).await }).await?;
+        let resp = self
+            .unary(ListEndpointConfigsRequest {}, |mut c, r| async move {
+                c.list_endpoint_configs(r).await
+            })
+            .await?;
         Ok(resp.endpoint_configs)
     }
 
     pub async fn delete_endpoint_config(&self, name: &str) -> Result<(), Error> {
-        let req = DeleteEndpointConfigRequest { endpoint_config_name: name.into() };
-        self.unary(req, |mut c, r| async move { c.delete_endpoint_config(r).await }).await?;
+        let req = DeleteEndpointConfigRequest {
+            endpoint_config_name: name.into(),
+        };
+        self.unary(
+            req,
+            |mut c, r| async move { c.delete_endpoint_config(r).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -336,9 +398,16 @@ impl Client {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let current = self.describe_endpoint_config(config_name, None).await?.endpoint_config;
+            let current = self
+                .describe_endpoint_config(config_name, None)
+                .await?
+                .endpoint_config;
             let mut variants = current.production_variants;
-            let names = variants.iter().map(|v| v.variant_name.clone()).collect::<Vec<_>>().join(", ");
+            let names = variants
+                .iter()
+                .map(|v| v.variant_name.clone())
+                .collect::<Vec<_>>()
+                .join(", ");
             let Some(variant) = variants.iter_mut().find(|v| v.variant_name == variant_name) else {
                 return Err(Error::api(
                     Code::NotFound,
@@ -348,7 +417,9 @@ impl Client {
             let routing = variant.routing_config.get_or_insert_with(Default::default);
             routing.routing_strategy = strategy as i32;
             if let Some(p) = prefix_aware {
-                let cur = routing.prefix_aware_routing_config.get_or_insert_with(Default::default);
+                let cur = routing
+                    .prefix_aware_routing_config
+                    .get_or_insert_with(Default::default);
                 if p.prefix_length != 0 {
                     cur.prefix_length = p.prefix_length;
                 }
@@ -356,8 +427,14 @@ impl Client {
                     cur.concurrency_threshold = p.concurrency_threshold;
                 }
             }
-            match self.update_endpoint_config(config_name, variants, Some(current.revision)).await {
-                Err(Error::Api { code: Code::FailedPrecondition, .. }) if attempt < STRATEGY_UPDATE_ATTEMPTS => {
+            match self
+                .update_endpoint_config(config_name, variants, Some(current.revision))
+                .await
+            {
+                Err(Error::Api {
+                    code: Code::FailedPrecondition,
+                    ..
+                }) if attempt < STRATEGY_UPDATE_ATTEMPTS => {
                     tokio::time::sleep(Duration::from_millis(20 * attempt as u64)).await;
                 }
                 other => return other,
@@ -367,22 +444,44 @@ impl Client {
 
     // ---- endpoints ----
 
-    pub async fn create_endpoint(&self, name: &str, endpoint_config_name: &str) -> Result<Endpoint, Error> {
-        let req = CreateEndpointRequest { endpoint_name: name.into(), endpoint_config_name: endpoint_config_name.into() };
-        let resp = self.unary(req, |mut c, r| async move { c.create_endpoint(r).await }).await?;
+    pub async fn create_endpoint(
+        &self,
+        name: &str,
+        endpoint_config_name: &str,
+    ) -> Result<Endpoint, Error> {
+        let req = CreateEndpointRequest {
+            endpoint_name: name.into(),
+            endpoint_config_name: endpoint_config_name.into(),
+        };
+        let resp = self
+            .unary(req, |mut c, r| async move { c.create_endpoint(r).await })
+            .await?;
         required(resp.endpoint, "endpoint")
     }
 
     /// Points the endpoint at another config (or at its config's latest revision).
-    pub async fn update_endpoint(&self, name: &str, endpoint_config_name: &str) -> Result<Endpoint, Error> {
-        let req = UpdateEndpointRequest { endpoint_name: name.into(), endpoint_config_name: endpoint_config_name.into() };
-        let resp = self.unary(req, |mut c, r| async move { c.update_endpoint(r).await }).await?;
+    pub async fn update_endpoint(
+        &self,
+        name: &str,
+        endpoint_config_name: &str,
+    ) -> Result<Endpoint, Error> {
+        let req = UpdateEndpointRequest {
+            endpoint_name: name.into(),
+            endpoint_config_name: endpoint_config_name.into(),
+        };
+        let resp = self
+            .unary(req, |mut c, r| async move { c.update_endpoint(r).await })
+            .await?;
         required(resp.endpoint, "endpoint")
     }
 
     pub async fn describe_endpoint(&self, name: &str) -> Result<EndpointDescription, Error> {
-        let req = DescribeEndpointRequest { endpoint_name: name.into() };
-        let resp = self.unary(req, |mut c, r| async move { c.describe_endpoint(r).await }).await?;
+        let req = DescribeEndpointRequest {
+            endpoint_name: name.into(),
+        };
+        let resp = self
+            .unary(req, |mut c, r| async move { c.describe_endpoint(r).await })
+            .await?;
         Ok(EndpointDescription {
             endpoint: required(resp.endpoint, "endpoint")?,
             endpoint_config: required(resp.endpoint_config, "endpoint_config")?,
@@ -393,13 +492,20 @@ impl Client {
     }
 
     pub async fn list_endpoints(&self) -> Result<Vec<Endpoint>, Error> {
-        let resp = self.unary(ListEndpointsRequest {}, |mut c, r| async move { c.list_endpoints(r).await }).await?;
+        let resp = self
+            .unary(ListEndpointsRequest {}, |mut c, r| async move {
+                c.list_endpoints(r).await
+            })
+            .await?;
         Ok(resp.endpoints)
     }
 
     pub async fn delete_endpoint(&self, name: &str) -> Result<(), Error> {
-        let req = DeleteEndpointRequest { endpoint_name: name.into() };
-        self.unary(req, |mut c, r| async move { c.delete_endpoint(r).await }).await?;
+        let req = DeleteEndpointRequest {
+            endpoint_name: name.into(),
+        };
+        self.unary(req, |mut c, r| async move { c.delete_endpoint(r).await })
+            .await?;
         Ok(())
     }
 
@@ -419,19 +525,37 @@ impl Client {
             address: address.into(),
             lease_ttl_seconds,
         };
-        let resp = self.unary(req, |mut c, r| async move { c.register_instance(r).await }).await?;
+        let resp = self
+            .unary(req, |mut c, r| async move { c.register_instance(r).await })
+            .await?;
         required(resp.instance, "instance")
     }
 
-    pub async fn renew_instance_lease(&self, instance_id: &str) -> Result<RegisteredInstance, Error> {
-        let req = RenewInstanceLeaseRequest { instance_id: instance_id.into() };
-        let resp = self.unary(req, |mut c, r| async move { c.renew_instance_lease(r).await }).await?;
+    pub async fn renew_instance_lease(
+        &self,
+        instance_id: &str,
+    ) -> Result<RegisteredInstance, Error> {
+        let req = RenewInstanceLeaseRequest {
+            instance_id: instance_id.into(),
+        };
+        let resp = self
+            .unary(
+                req,
+                |mut c, r| async move { c.renew_instance_lease(r).await },
+            )
+            .await?;
         required(resp.instance, "instance")
     }
 
     pub async fn deregister_instance(&self, instance_id: &str) -> Result<(), Error> {
-        let req = DeregisterInstanceRequest { instance_id: instance_id.into() };
-        self.unary(req, |mut c, r| async move { c.deregister_instance(r).await }).await?;
+        let req = DeregisterInstanceRequest {
+            instance_id: instance_id.into(),
+        };
+        self.unary(
+            req,
+            |mut c, r| async move { c.deregister_instance(r).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -442,15 +566,26 @@ impl Client {
     /// status like any data plane.
     pub async fn watch_routing_table(&self, node_id: &str) -> Result<RoutingTableWatch, Error> {
         let (tx, rx) = mpsc::channel(4);
-        let hello = WatchRoutingTableRequest { node_id: node_id.into(), ..Default::default() };
-        tx.send(hello).await.map_err(|_| Error::Malformed("watch request channel closed".into()))?;
+        let hello = WatchRoutingTableRequest {
+            node_id: node_id.into(),
+            ..Default::default()
+        };
+        tx.send(hello)
+            .await
+            .map_err(|_| Error::Malformed("watch request channel closed".into()))?;
         let mut discovery = self.discovery.clone();
         let responses = discovery
             .watch_routing_table(ReceiverStream::new(rx))
             .await
             .map_err(|s| self.status_error(s))?
             .into_inner();
-        Ok(RoutingTableWatch { node_id: node_id.into(), url: self.url.clone(), acks: tx, responses, done: false })
+        Ok(RoutingTableWatch {
+            node_id: node_id.into(),
+            url: self.url.clone(),
+            acks: tx,
+            responses,
+            done: false,
+        })
     }
 
     /// Runs one unary call with the request timeout, mapping its failure into [`Error`].
@@ -461,12 +596,20 @@ impl Client {
     {
         let mut request = Request::new(req);
         request.set_timeout(self.request_timeout);
-        match tokio::time::timeout(self.request_timeout, call(self.control_plane.clone(), request)).await {
+        match tokio::time::timeout(
+            self.request_timeout,
+            call(self.control_plane.clone(), request),
+        )
+        .await
+        {
             Ok(Ok(resp)) => Ok(resp.into_inner()),
             Ok(Err(status)) => Err(self.status_error(status)),
             Err(_) => Err(Error::api(
                 Code::DeadlineExceeded,
-                format!("no answer from the control plane at {} within {:?}", self.url, self.request_timeout),
+                format!(
+                    "no answer from the control plane at {} within {:?}",
+                    self.url, self.request_timeout
+                ),
             )),
         }
     }
@@ -482,10 +625,16 @@ fn status_to_error(url: &str, status: Status) -> Error {
     use std::error::Error as _;
     if status.code() == Code::Unavailable {
         if let Some(source) = status.source() {
-            return Error::Unreachable { url: url.into(), cause: error_chain(source) };
+            return Error::Unreachable {
+                url: url.into(),
+                cause: error_chain(source),
+            };
         }
     }
-    Error::Api { code: status.code(), message: status.message().to_string() }
+    Error::Api {
+        code: status.code(),
+        message: status.message().to_string(),
+    }
 }
 
 /// The decoded routing tables of one `WatchRoutingTable` stream.
@@ -510,7 +659,11 @@ impl RoutingTableWatch {
     /// (at most 2 s) for the server to close its side, so the last ACK has been recorded.
     /// Dropping the watch instead may lose an ACK that was not sent yet.
     pub async fn close(self) {
-        let RoutingTableWatch { acks, mut responses, .. } = self;
+        let RoutingTableWatch {
+            acks,
+            mut responses,
+            ..
+        } = self;
         drop(acks);
         let _ = tokio::time::timeout(Duration::from_secs(2), async move {
             while let Ok(Some(_)) = responses.message().await {}
@@ -554,12 +707,18 @@ impl Stream for RoutingTableWatch {
                     Poll::Ready(Some(Ok(table)))
                 }
                 Ok(table) => {
-                    let detail = format!("table version {} does not match response version {}", table.version, resp.version);
+                    let detail = format!(
+                        "table version {} does not match response version {}",
+                        table.version, resp.version
+                    );
                     self.answer(&resp, 0, detail.clone());
                     Poll::Ready(Some(Err(Error::Malformed(detail))))
                 }
                 Err(e) => {
-                    let detail = format!("routing table version {} does not decode: {e}", resp.version);
+                    let detail = format!(
+                        "routing table version {} does not decode: {e}",
+                        resp.version
+                    );
                     self.answer(&resp, 0, detail.clone());
                     Poll::Ready(Some(Err(Error::Malformed(detail))))
                 }
@@ -607,8 +766,14 @@ mod tests {
 
     #[test]
     fn api_errors_print_code_and_message() {
-        let e = Error::api(Code::InvalidArgument, "invalid production_variants[0].variant_name: must not be empty");
-        assert_eq!(e.to_string(), "InvalidArgument: invalid production_variants[0].variant_name: must not be empty");
+        let e = Error::api(
+            Code::InvalidArgument,
+            "invalid production_variants[0].variant_name: must not be empty",
+        );
+        assert_eq!(
+            e.to_string(),
+            "InvalidArgument: invalid production_variants[0].variant_name: must not be empty"
+        );
         assert_eq!(e.code(), Some(Code::InvalidArgument));
     }
 
@@ -623,19 +788,39 @@ mod tests {
         use tonic::service::Interceptor;
         let mut auth = BearerAuth::new(Some("s3cret")).unwrap();
         let req = auth.call(Request::new(())).unwrap();
-        assert_eq!(req.metadata().get("authorization").unwrap(), "Bearer s3cret");
+        assert_eq!(
+            req.metadata().get("authorization").unwrap(),
+            "Bearer s3cret"
+        );
         let mut none = BearerAuth::new(None).unwrap();
-        assert!(none.call(Request::new(())).unwrap().metadata().get("authorization").is_none());
+        assert!(none
+            .call(Request::new(()))
+            .unwrap()
+            .metadata()
+            .get("authorization")
+            .is_none());
         assert!(BearerAuth::new(Some("bad\ntoken")).is_err());
     }
 
     #[test]
     fn trace_context_is_carried_when_a_trace_is_active() {
-        use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState};
+        use opentelemetry::trace::{
+            SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+        };
         use tonic::service::Interceptor;
-        opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
+        opentelemetry::global::set_text_map_propagator(
+            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+        );
         let mut metadata = CallMetadata::new(None).unwrap();
-        assert!(metadata.call(Request::new(())).unwrap().metadata().get("traceparent").is_none(), "no active trace");
+        assert!(
+            metadata
+                .call(Request::new(()))
+                .unwrap()
+                .metadata()
+                .get("traceparent")
+                .is_none(),
+            "no active trace"
+        );
 
         let trace_id = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
         let span_id = SpanId::from_hex("00f067aa0ba902b7").unwrap();
@@ -648,13 +833,20 @@ mod tests {
         ));
         let _active = cx.attach();
         let req = metadata.call(Request::new(())).unwrap();
-        assert_eq!(req.metadata().get("traceparent").unwrap(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(
+            req.metadata().get("traceparent").unwrap(),
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
     }
 
     #[tokio::test]
     async fn unreachable_control_plane_is_one_clear_error() {
         // Bind then drop a listener: nothing listens on that port any more.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let url = format!("http://127.0.0.1:{port}");
         let e = Client::connect(url.clone()).await.unwrap_err();
         match &e {
@@ -664,7 +856,11 @@ mod tests {
             }
             other => panic!("expected Unreachable, got {other:?}"),
         }
-        assert!(e.to_string().starts_with(&format!("cannot reach control plane at {url}: ")), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot reach control plane at {url}: ")),
+            "{e}"
+        );
         assert!(!e.to_string().contains('\n'));
         let bad = Client::connect("http://bad host:1").await.unwrap_err();
         assert!(matches!(bad, Error::InvalidUrl { .. }), "{bad:?}");

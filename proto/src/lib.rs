@@ -10,7 +10,8 @@ pub mod v1 {
     tonic::include_proto!("prefixrouter.v1");
 
     /// Encoded `FileDescriptorSet` for gRPC server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("prefixrouter_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("prefixrouter_descriptor");
 }
 
 pub use v1::*;
@@ -50,17 +51,34 @@ mod tests {
 
     #[test]
     fn strategy_names_round_trip() {
-        for s in [RoutingStrategy::Random, RoutingStrategy::LeastOutstandingRequests, RoutingStrategy::PrefixAware] {
+        for s in [
+            RoutingStrategy::Random,
+            RoutingStrategy::LeastOutstandingRequests,
+            RoutingStrategy::PrefixAware,
+        ] {
             assert_eq!(RoutingStrategy::from_user_name(s.user_name()), Some(s));
         }
-        assert_eq!(RoutingStrategy::from_user_name("ROUTING_STRATEGY_PREFIX_AWARE"), Some(RoutingStrategy::PrefixAware));
+        assert_eq!(
+            RoutingStrategy::from_user_name("ROUTING_STRATEGY_PREFIX_AWARE"),
+            Some(RoutingStrategy::PrefixAware)
+        );
         assert_eq!(RoutingStrategy::from_user_name("PREFIX_AWAR"), None);
     }
 
     #[test]
     fn encoded_table_decodes_from_watch_response() {
-        let table = RoutingTable { version: 7, endpoints: vec![EndpointRoutes { endpoint_name: "e".into(), ..Default::default() }] };
-        let resp = WatchRoutingTableResponse { version: 7, nonce: "n".into(), routing_table: table.encode_to_vec().into() };
+        let table = RoutingTable {
+            version: 7,
+            endpoints: vec![EndpointRoutes {
+                endpoint_name: "e".into(),
+                ..Default::default()
+            }],
+        };
+        let resp = WatchRoutingTableResponse {
+            version: 7,
+            nonce: "n".into(),
+            routing_table: table.encode_to_vec().into(),
+        };
         let back = RoutingTable::decode(resp.routing_table).unwrap();
         assert_eq!(back, table);
     }

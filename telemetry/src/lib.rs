@@ -64,14 +64,23 @@ pub struct TelemetryArgs {
 
     /// OTLP gRPC endpoint to export traces to, e.g. http://localhost:4317 (Jaeger, an OpenTelemetry
     /// collector). Unset: no traces. OTEL_SERVICE_NAME and OTEL_TRACES_SAMPLER(_ARG) apply.
-    #[arg(long, global = true, value_name = "URL", env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "URL",
+        env = "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )]
     pub otlp_endpoint: Option<String>,
 }
 
 impl TelemetryArgs {
     /// [`init`] with these flags.
     pub fn init(&self, service_name_default: &str) -> Guard {
-        init(service_name_default, self.log_format, self.otlp_endpoint.clone())
+        init(
+            service_name_default,
+            self.log_format,
+            self.otlp_endpoint.clone(),
+        )
     }
 }
 
@@ -116,11 +125,19 @@ impl Drop for Guard {
 /// Call once, early in `main`, from inside a tokio runtime when exporting (the gRPC exporter's
 /// connection lives on it). A second call (or a subscriber someone else installed) leaves the
 /// first in place. A bad endpoint is reported on stderr and the program goes on without traces.
-pub fn init(service_name_default: &str, log_format: LogFormat, otlp_endpoint: Option<String>) -> Guard {
+pub fn init(
+    service_name_default: &str,
+    log_format: LogFormat,
+    otlp_endpoint: Option<String>,
+) -> Guard {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
 
     let mut export_error = None;
-    let provider = match otlp_endpoint.as_deref().map(str::trim).filter(|e| !e.is_empty()) {
+    let provider = match otlp_endpoint
+        .as_deref()
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+    {
         None => None,
         Some(endpoint) => match otlp_exporter(endpoint) {
             Ok(exporter) => Some(tracer_provider(service_name_default, exporter)),
@@ -139,7 +156,11 @@ pub fn init(service_name_default: &str, log_format: LogFormat, otlp_endpoint: Op
             .with_tracer(p.tracer("prefix-router"))
             .with_filter(LevelFilter::INFO)
     });
-    let installed = Registry::default().with(logs).with(traces).try_init().is_ok();
+    let installed = Registry::default()
+        .with(logs)
+        .with(traces)
+        .try_init()
+        .is_ok();
 
     if let Some(e) = export_error {
         if installed {
@@ -151,7 +172,10 @@ pub fn init(service_name_default: &str, log_format: LogFormat, otlp_endpoint: Op
     match provider {
         Some(p) if installed => {
             opentelemetry::global::set_tracer_provider(p.clone());
-            tracing::debug!(endpoint = otlp_endpoint.as_deref().unwrap_or_default(), "exporting traces over OTLP/gRPC");
+            tracing::debug!(
+                endpoint = otlp_endpoint.as_deref().unwrap_or_default(),
+                "exporting traces over OTLP/gRPC"
+            );
             Guard { provider: Some(p) }
         }
         Some(p) => {
@@ -168,10 +192,15 @@ fn log_layer<S>(format: LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Sen
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")).and(EventsOnly);
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info"))
+        .and(EventsOnly);
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => fmt.with_ansi(std::io::stderr().is_terminal()).with_filter(filter).boxed(),
+        LogFormat::Text => fmt
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_filter(filter)
+            .boxed(),
         LogFormat::Json => fmt
             .json()
             .flatten_event(true)
@@ -199,8 +228,14 @@ fn otlp_exporter(endpoint: &str) -> Result<opentelemetry_otlp::SpanExporter, Str
 /// processor (its own thread; `OTEL_BSP_*` apply), the sampler from `OTEL_TRACES_SAMPLER` /
 /// `OTEL_TRACES_SAMPLER_ARG` (default: parent-based, always on), and the resource from the
 /// environment with `service.name` defaulting to `service_name_default`.
-pub fn tracer_provider<E: SpanExporter + 'static>(service_name_default: &str, exporter: E) -> SdkTracerProvider {
-    SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource(service_name_default)).build()
+pub fn tracer_provider<E: SpanExporter + 'static>(
+    service_name_default: &str,
+    exporter: E,
+) -> SdkTracerProvider {
+    SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource(service_name_default))
+        .build()
 }
 
 /// The SDK's resource (its detectors read `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`),
@@ -213,7 +248,9 @@ fn resource(default: &str) -> Resource {
     if named {
         detected
     } else {
-        Resource::builder().with_attribute(KeyValue::new("service.name", default.to_string())).build()
+        Resource::builder()
+            .with_attribute(KeyValue::new("service.name", default.to_string()))
+            .build()
     }
 }
 
@@ -246,8 +283,14 @@ mod tests {
         let subscriber = Registry::default().with(log_layer(LogFormat::Json));
         tracing::subscriber::with_default(subscriber, || {
             let span = tracing::info_span!("route", endpoint = tracing::field::Empty);
-            assert!(span.is_disabled(), "a request span must cost nothing when traces are off");
-            assert!(tracing::event_enabled!(tracing::Level::INFO), "info events are still logged");
+            assert!(
+                span.is_disabled(),
+                "a request span must cost nothing when traces are off"
+            );
+            assert!(
+                tracing::event_enabled!(tracing::Level::INFO),
+                "info events are still logged"
+            );
         });
     }
 
@@ -259,7 +302,13 @@ mod tests {
             #[command(flatten)]
             t: TelemetryArgs,
         }
-        let c = Cli::parse_from(["x", "--log-format", "json", "--otlp-endpoint", "http://collector:4317"]);
+        let c = Cli::parse_from([
+            "x",
+            "--log-format",
+            "json",
+            "--otlp-endpoint",
+            "http://collector:4317",
+        ]);
         assert_eq!(c.t.log_format, LogFormat::Json);
         assert_eq!(c.t.otlp_endpoint.as_deref(), Some("http://collector:4317"));
         assert!(Cli::try_parse_from(["x", "--log-format", "xml"]).is_err());

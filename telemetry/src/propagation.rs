@@ -28,7 +28,10 @@ pub struct HeaderInjector<'a>(pub &'a mut HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::from_str(&value)) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(key.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
             self.0.insert(name, value);
         }
     }
@@ -36,7 +39,8 @@ impl Injector for HeaderInjector<'_> {
 
 /// The remote context carried by `headers`, if they carry a valid one.
 pub fn extract(headers: &HeaderMap) -> Option<opentelemetry::Context> {
-    let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)));
+    let cx =
+        opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)));
     cx.span().span_context().is_valid().then_some(cx)
 }
 
@@ -61,5 +65,7 @@ pub fn inject_headers(span: &Span, headers: &mut HeaderMap) {
         return;
     }
     let cx = span.context();
-    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut HeaderInjector(headers)));
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut HeaderInjector(headers))
+    });
 }

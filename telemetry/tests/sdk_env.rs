@@ -19,12 +19,17 @@ struct Capture {
 
 impl SpanExporter for Capture {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        self.spans.lock().unwrap().extend(batch.into_iter().map(|s| s.name.into_owned()));
+        self.spans
+            .lock()
+            .unwrap()
+            .extend(batch.into_iter().map(|s| s.name.into_owned()));
         Ok(())
     }
 
     fn set_resource(&mut self, resource: &Resource) {
-        let name = resource.get(&opentelemetry::Key::from_static_str("service.name")).map(|v| v.as_str().into_owned());
+        let name = resource
+            .get(&opentelemetry::Key::from_static_str("service.name"))
+            .map(|v| v.as_str().into_owned());
         *self.service.lock().unwrap() = name;
     }
 }
@@ -34,7 +39,8 @@ impl SpanExporter for Capture {
 fn run_with_env() -> (Option<String>, Vec<String>) {
     let capture = Capture::default();
     let provider = telemetry::tracer_provider("data-plane", capture.clone());
-    let subscriber = tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
     tracing::subscriber::with_default(subscriber, || {
         for _ in 0..3 {
             tracing::info_span!("route").in_scope(|| {});
@@ -49,12 +55,25 @@ fn run_with_env() -> (Option<String>, Vec<String>) {
 
 #[test]
 fn service_name_and_sampler_come_from_the_environment() {
-    for var in ["OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"] {
+    for var in [
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+    ] {
         std::env::remove_var(var);
     }
     let (service, spans) = run_with_env();
-    assert_eq!(service.as_deref(), Some("data-plane"), "the binary's name when the environment names no service");
-    assert_eq!(spans, ["route", "route", "route"], "default sampler: parent-based, always on");
+    assert_eq!(
+        service.as_deref(),
+        Some("data-plane"),
+        "the binary's name when the environment names no service"
+    );
+    assert_eq!(
+        spans,
+        ["route", "route", "route"],
+        "default sampler: parent-based, always on"
+    );
 
     std::env::set_var("OTEL_SERVICE_NAME", "router-eu-1");
     std::env::set_var("OTEL_TRACES_SAMPLER", "traceidratio");

@@ -8,8 +8,9 @@ use anyhow::Context;
 use clap::Parser;
 use proto::control_plane_client::ControlPlaneClient;
 use proto::{
-    CreateEndpointConfigRequest, CreateEndpointRequest, DescribeEndpointRequest, PrefixAwareRoutingConfig,
-    ProductionVariant, RoutingConfig, RoutingStrategy, UpdateEndpointConfigRequest,
+    CreateEndpointConfigRequest, CreateEndpointRequest, DescribeEndpointRequest,
+    PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy,
+    UpdateEndpointConfigRequest,
 };
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
@@ -61,7 +62,11 @@ pub struct EngineCounters {
 impl std::ops::Sub for EngineCounters {
     type Output = EngineCounters;
     fn sub(self, o: Self) -> Self {
-        EngineCounters { queries: self.queries - o.queries, hits: self.hits - o.hits, requests: self.requests - o.requests }
+        EngineCounters {
+            queries: self.queries - o.queries,
+            hits: self.hits - o.hits,
+            requests: self.requests - o.requests,
+        }
     }
 }
 
@@ -78,7 +83,9 @@ pub struct Fleet {
 }
 
 async fn bind() -> anyhow::Result<(tokio::net::TcpListener, String)> {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding a loopback port")?;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding a loopback port")?;
     let url = format!("http://{}", l.local_addr()?);
     Ok((l, url))
 }
@@ -88,7 +95,11 @@ where
     F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
 {
     let (tx, rx) = oneshot::channel();
-    Server { url, stop: Some(tx), task: tokio::spawn(f(rx)) }
+    Server {
+        url,
+        stop: Some(tx),
+        task: tokio::spawn(f(rx)),
+    }
 }
 
 impl Fleet {
@@ -126,7 +137,10 @@ impl Fleet {
             .context("creating the bench endpoint config")?;
         fleet
             .client
-            .create_endpoint(CreateEndpointRequest { endpoint_name: ENDPOINT.into(), endpoint_config_name: ENDPOINT.into() })
+            .create_endpoint(CreateEndpointRequest {
+                endpoint_name: ENDPOINT.into(),
+                endpoint_config_name: ENDPOINT.into(),
+            })
             .await
             .context("creating the bench endpoint")?;
         for r in 0..spec.routers {
@@ -138,7 +152,10 @@ impl Fleet {
                 ..data_plane::Config::default()
             };
             if let Some(f) = spec.hash_balance_factor {
-                anyhow::ensure!((100..=1000).contains(&f), "invalid --hash-balance-factor {f}: must be 100..=1000");
+                anyhow::ensure!(
+                    (100..=1000).contains(&f),
+                    "invalid --hash-balance-factor {f}: must be 100..=1000"
+                );
                 config.hash_balance_factor = f;
             }
             fleet.routers.push(spawn_server(url, move |rx| {
@@ -185,7 +202,11 @@ impl Fleet {
                     concurrency_threshold: self.spec.concurrency_threshold,
                 }),
             }),
-            instances: self.active.iter().map(|&i| self.engines[i].url.clone()).collect(),
+            instances: self
+                .active
+                .iter()
+                .map(|&i| self.engines[i].url.clone())
+                .collect(),
         }]
     }
 
@@ -231,10 +252,16 @@ impl Fleet {
         loop {
             let d = self
                 .client
-                .describe_endpoint(DescribeEndpointRequest { endpoint_name: ENDPOINT.into() })
+                .describe_endpoint(DescribeEndpointRequest {
+                    endpoint_name: ENDPOINT.into(),
+                })
                 .await?
                 .into_inner();
-            let ready = d.data_planes.iter().filter(|n| n.connected && n.up_to_date).count();
+            let ready = d
+                .data_planes
+                .iter()
+                .filter(|n| n.connected && n.up_to_date)
+                .count();
             if ready >= self.routers.len() {
                 return Ok(());
             }
@@ -253,7 +280,10 @@ impl Fleet {
 
     /// Engine URLs in the variant now.
     pub fn instance_urls(&self) -> Vec<String> {
-        self.active.iter().map(|&i| self.engines[i].url.clone()).collect()
+        self.active
+            .iter()
+            .map(|&i| self.engines[i].url.clone())
+            .collect()
     }
 
     /// Counters of every engine ever started, in start order.
@@ -270,13 +300,15 @@ impl Fleet {
         Ok(out)
     }
 
-
     /// The routers' routing-decision histograms, merged.
     pub async fn decision_histogram(&self) -> anyhow::Result<Histogram> {
         let mut h = Histogram::default();
         for r in &self.routers {
             let text = metrics::get_text(&self.http, &format!("{}/metrics", r.url)).await?;
-            h.merge(&Histogram::parse(&text, "prefix_router_route_decision_seconds"));
+            h.merge(&Histogram::parse(
+                &text,
+                "prefix_router_route_decision_seconds",
+            ));
         }
         Ok(h)
     }
@@ -298,7 +330,9 @@ async fn connect(url: &str) -> anyhow::Result<ControlPlaneClient<Channel>> {
         match ControlPlaneClient::connect(url.to_string()).await {
             Ok(c) => return Ok(c),
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(anyhow::anyhow!("cannot reach the bench control plane at {url}: {e}"))
+                return Err(anyhow::anyhow!(
+                    "cannot reach the bench control plane at {url}: {e}"
+                ))
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }

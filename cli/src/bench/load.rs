@@ -51,7 +51,12 @@ pub async fn run_clients(
         let url: http::Uri = format!("{}/v1/chat/completions", routers[client % routers.len()])
             .parse()
             .expect("router URLs are valid");
-        let (w, docs, http, out) = (workload.clone(), documents.clone(), http.clone(), out.clone());
+        let (w, docs, http, out) = (
+            workload.clone(),
+            documents.clone(),
+            http.clone(),
+            out.clone(),
+        );
         tasks.spawn(async move {
             let mut state = w.client(client);
             let mut last_reply: Option<String> = None;
@@ -96,7 +101,12 @@ pub async fn run_clients(
     while tasks.join_next().await.is_some() {}
 }
 
-async fn send(http: &HttpClient, url: &http::Uri, body: Bytes, started: Instant) -> anyhow::Result<Streamed> {
+async fn send(
+    http: &HttpClient,
+    url: &http::Uri,
+    body: Bytes,
+    started: Instant,
+) -> anyhow::Result<Streamed> {
     let req = http::Request::post(url.clone())
         .header(http::header::CONTENT_TYPE, "application/json")
         .header("x-endpoint-name", ENDPOINT)
@@ -111,8 +121,15 @@ async fn send(http: &HttpClient, url: &http::Uri, body: Bytes, started: Instant)
         .to_string();
     let mut body = resp.into_body();
     if !status.is_success() {
-        let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        anyhow::bail!("HTTP {status}: {}", String::from_utf8_lossy(&bytes[..bytes.len().min(300)]));
+        let bytes = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        anyhow::bail!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
+        );
     }
     let mut sse = SseText::default();
     let mut ttft = None;
@@ -127,7 +144,12 @@ async fn send(http: &HttpClient, url: &http::Uri, body: Bytes, started: Instant)
     }
     anyhow::ensure!(sse.done, "stream ended without data: [DONE]");
     let ttft = ttft.ok_or_else(|| anyhow::anyhow!("stream carried no content"))?;
-    Ok(Streamed { ttft, output_tokens: sse.completion_tokens.unwrap_or(sse.chunks), text: sse.text, instance })
+    Ok(Streamed {
+        ttft,
+        output_tokens: sse.completion_tokens.unwrap_or(sse.chunks),
+        text: sse.text,
+        instance,
+    })
 }
 
 /// Reassembles an OpenAI chat stream: the content text, the usage, and whether `[DONE]` came.
@@ -146,20 +168,30 @@ impl SseText {
         while let Some(end) = find(&self.buf, b"\n\n") {
             let event = self.buf.split_to(end + 2);
             for line in event[..].split(|&b| b == b'\n') {
-                let Some(payload) = line.strip_prefix(b"data:") else { continue };
+                let Some(payload) = line.strip_prefix(b"data:") else {
+                    continue;
+                };
                 let payload = payload.strip_prefix(b" ").unwrap_or(payload);
                 if payload == b"[DONE]" {
                     self.done = true;
                     continue;
                 }
-                let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) else { continue };
-                if let Some(c) = v.pointer("/choices/0/delta/content").and_then(|c| c.as_str()) {
+                let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) else {
+                    continue;
+                };
+                if let Some(c) = v
+                    .pointer("/choices/0/delta/content")
+                    .and_then(|c| c.as_str())
+                {
                     if !c.is_empty() {
                         self.chunks += 1;
                         self.text.push_str(c);
                     }
                 }
-                if let Some(n) = v.pointer("/usage/completion_tokens").and_then(|n| n.as_u64()) {
+                if let Some(n) = v
+                    .pointer("/usage/completion_tokens")
+                    .and_then(|n| n.as_u64())
+                {
                     self.completion_tokens = Some(n as u32);
                 }
             }

@@ -13,32 +13,48 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 pub fn http_client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build(connector)
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build(connector)
 }
 
 pub async fn get_text(client: &HttpClient, url: &str) -> anyhow::Result<String> {
     let req = http::Request::get(url).body(Full::new(Bytes::new()))?;
-    let resp = client.request(req).await.with_context(|| format!("GET {url}"))?;
-    anyhow::ensure!(resp.status().is_success(), "GET {url}: HTTP {}", resp.status());
-    let body = resp.into_body().collect().await.with_context(|| format!("reading {url}"))?.to_bytes();
+    let resp = client
+        .request(req)
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    anyhow::ensure!(
+        resp.status().is_success(),
+        "GET {url}: HTTP {}",
+        resp.status()
+    );
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .with_context(|| format!("reading {url}"))?
+        .to_bytes();
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// The samples of `name` (any labels), as (labels, value).
 fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
-    text.lines().filter(|l| !l.starts_with('#')).filter_map(move |line| {
-        let rest = line.strip_prefix(name)?;
-        let (labels, value) = if let Some(r) = rest.strip_prefix('{') {
-            let end = r.find('}')?;
-            (&r[..end], r[end + 1..].trim())
-        } else if rest.starts_with(' ') {
-            ("", rest.trim())
-        } else {
-            return None;
-        };
-        let value = value.split_whitespace().next()?.parse().ok()?;
-        Some((labels, value))
-    })
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(move |line| {
+            let rest = line.strip_prefix(name)?;
+            let (labels, value) = if let Some(r) = rest.strip_prefix('{') {
+                let end = r.find('}')?;
+                (&r[..end], r[end + 1..].trim())
+            } else if rest.starts_with(' ') {
+                ("", rest.trim())
+            } else {
+                return None;
+            };
+            let value = value.split_whitespace().next()?.parse().ok()?;
+            Some((labels, value))
+        })
 }
 
 /// Sum of every sample of metric `name`.
@@ -58,9 +74,18 @@ impl Histogram {
         let bucket_name = format!("{name}_bucket");
         let mut buckets: Vec<(f64, f64)> = Vec::new();
         for (labels, value) in samples(text, &bucket_name) {
-            let Some(le) = labels.split(',').find_map(|kv| kv.trim().strip_prefix("le=")) else { continue };
+            let Some(le) = labels
+                .split(',')
+                .find_map(|kv| kv.trim().strip_prefix("le="))
+            else {
+                continue;
+            };
             let le = le.trim_matches('"');
-            let bound = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::INFINITY) };
+            let bound = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().unwrap_or(f64::INFINITY)
+            };
             match buckets.iter_mut().find(|(b, _)| *b == bound) {
                 Some((_, c)) => *c += value,
                 None => buckets.push((bound, value)),
@@ -86,7 +111,12 @@ impl Histogram {
             .buckets
             .iter()
             .map(|&(b, c)| {
-                let before = earlier.buckets.iter().find(|(x, _)| *x == b).map(|x| x.1).unwrap_or(0.0);
+                let before = earlier
+                    .buckets
+                    .iter()
+                    .find(|(x, _)| *x == b)
+                    .map(|x| x.1)
+                    .unwrap_or(0.0);
                 (b, (c - before).max(0.0))
             })
             .collect();
@@ -113,7 +143,11 @@ impl Histogram {
                     return Some(prev_bound);
                 }
                 let in_bucket = count - prev_count;
-                let frac = if in_bucket > 0.0 { (rank - prev_count) / in_bucket } else { 1.0 };
+                let frac = if in_bucket > 0.0 {
+                    (rank - prev_count) / in_bucket
+                } else {
+                    1.0
+                };
                 return Some(prev_bound + (bound - prev_bound) * frac);
             }
             prev_bound = bound;
@@ -140,15 +174,27 @@ mod tests {
     #[test]
     fn histogram_quantiles() {
         let h = Histogram::parse(TEXT, "h");
-        assert_eq!(h.buckets, vec![(0.001, 20.0), (0.002, 40.0), (f64::INFINITY, 50.0)]);
+        assert_eq!(
+            h.buckets,
+            vec![(0.001, 20.0), (0.002, 40.0), (f64::INFINITY, 50.0)]
+        );
         assert_eq!(h.quantile(0.4), Some(0.001));
-        assert_eq!(h.quantile(0.2), Some(0.0005), "interpolated inside the first bucket");
+        assert_eq!(
+            h.quantile(0.2),
+            Some(0.0005),
+            "interpolated inside the first bucket"
+        );
         assert!((h.quantile(0.6).unwrap() - 0.0015).abs() < 1e-12);
         assert_eq!(h.quantile(0.99), Some(0.002));
-        let earlier = Histogram { buckets: vec![(0.001, 20.0), (0.002, 20.0), (f64::INFINITY, 20.0)] };
+        let earlier = Histogram {
+            buckets: vec![(0.001, 20.0), (0.002, 20.0), (f64::INFINITY, 20.0)],
+        };
         let d = h.since(&earlier);
         assert_eq!(d.count(), 30.0);
-        assert!((d.quantile(0.5).unwrap() - 0.00175).abs() < 1e-12, "15th of 20 in (0.001, 0.002]");
+        assert!(
+            (d.quantile(0.5).unwrap() - 0.00175).abs() < 1e-12,
+            "15th of 20 in (0.001, 0.002]"
+        );
         assert_eq!(Histogram::default().quantile(0.5), None);
     }
 }

@@ -77,8 +77,12 @@ pub struct BenchArgs {
 }
 
 pub fn parse_strategy(s: &str) -> Result<RoutingStrategy, String> {
-    RoutingStrategy::from_user_name(s)
-        .ok_or_else(|| format!("unknown routing strategy {s:?} (expected {})", RoutingStrategy::USER_NAMES))
+    RoutingStrategy::from_user_name(s).ok_or_else(|| {
+        format!(
+            "unknown routing strategy {s:?} (expected {})",
+            RoutingStrategy::USER_NAMES
+        )
+    })
 }
 
 impl BenchArgs {
@@ -88,9 +92,20 @@ impl BenchArgs {
             "invalid --time-scale {}: must be in (0, 10]",
             self.time_scale
         );
-        anyhow::ensure!(self.duration > 0.0, "invalid --duration {}: must be > 0", self.duration);
-        anyhow::ensure!(self.warmup >= 0.0, "invalid --warmup {}: must be >= 0", self.warmup);
-        anyhow::ensure!(!self.strategies.is_empty(), "invalid --strategies: none given");
+        anyhow::ensure!(
+            self.duration > 0.0,
+            "invalid --duration {}: must be > 0",
+            self.duration
+        );
+        anyhow::ensure!(
+            self.warmup >= 0.0,
+            "invalid --warmup {}: must be >= 0",
+            self.warmup
+        );
+        anyhow::ensure!(
+            !self.strategies.is_empty(),
+            "invalid --strategies: none given"
+        );
         Ok(())
     }
 
@@ -112,7 +127,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     let report = BenchReport::new(&args, &workload, results);
     report.print_table();
     if let Some(path) = &args.out {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
     if let Some(path) = &args.markdown {
@@ -163,7 +179,10 @@ struct Snapshot {
 }
 
 async fn snapshot(fleet: &Fleet) -> anyhow::Result<Snapshot> {
-    Ok(Snapshot { at: Instant::now(), engines: fleet.engine_counters().await? })
+    Ok(Snapshot {
+        at: Instant::now(),
+        engines: fleet.engine_counters().await?,
+    })
 }
 
 fn hit_rate(from: &[EngineCounters], to: &[EngineCounters]) -> f64 {
@@ -203,10 +222,14 @@ async fn run_strategy(
         metrics::http_client(),
         tx,
     ));
-    let bar = progress(warmup + measure, format!("{} {}", workload.kind.name(), strategy.user_name()));
+    let bar = progress(
+        warmup + measure,
+        format!("{} {}", workload.kind.name(), strategy.user_name()),
+    );
     let mut samples: Vec<Sample> = Vec::new();
     let mut first: Option<(Snapshot, metrics::Histogram)> = None;
-    let mut autoscale = (args.workload == WorkloadKind::Autoscale).then(|| AutoscaleRun::new(args, measure_from, measure));
+    let mut autoscale = (args.workload == WorkloadKind::Autoscale)
+        .then(|| AutoscaleRun::new(args, measure_from, measure));
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut errors = 0usize;
     loop {
@@ -242,10 +265,23 @@ async fn run_strategy(
     let end_hist = fleet.decision_histogram().await?;
     let (begin, begin_hist) = match first {
         Some(f) => f,
-        None => (Snapshot { at: start, engines: Vec::new() }, metrics::Histogram::default()),
+        None => (
+            Snapshot {
+                at: start,
+                engines: Vec::new(),
+            },
+            metrics::Histogram::default(),
+        ),
     };
-    let measured: Vec<&Sample> = samples.iter().filter(|s| s.done >= measure_from && s.done <= stop_at).collect();
-    let window = end.at.min(stop_at).saturating_duration_since(begin.at).max(Duration::from_millis(1));
+    let measured: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.done >= measure_from && s.done <= stop_at)
+        .collect();
+    let window = end
+        .at
+        .min(stop_at)
+        .saturating_duration_since(begin.at)
+        .max(Duration::from_millis(1));
     let autoscale_report = match autoscale {
         Some(a) => Some(a.finish(&samples)?),
         None => None,
@@ -295,7 +331,8 @@ impl AutoscaleRun {
         if now >= self.next_sample {
             let snap = snapshot(fleet).await?;
             if let Some(prev) = &self.last {
-                self.series.push((snap.at, hit_rate(&prev.engines, &snap.engines)));
+                self.series
+                    .push((snap.at, hit_rate(&prev.engines, &snap.engines)));
             }
             self.last = Some(snap);
             self.next_sample = now + self.every;
@@ -313,10 +350,21 @@ impl AutoscaleRun {
     }
 
     fn finish(self, samples: &[Sample]) -> anyhow::Result<AutoscaleReport> {
-        let (added_at, added_url) = self.added.clone().context("the run ended before an instance was added")?;
-        let (removed_at, removed_url) = self.removed.clone().context("the run ended before an instance was removed")?;
+        let (added_at, added_url) = self
+            .added
+            .clone()
+            .context("the run ended before an instance was added")?;
+        let (removed_at, removed_url) = self
+            .removed
+            .clone()
+            .context("the run ended before an instance was removed")?;
         let mean = |from: Instant, to: Instant| {
-            let v: Vec<f64> = self.series.iter().filter(|(t, _)| *t > from && *t <= to).map(|x| x.1).collect();
+            let v: Vec<f64> = self
+                .series
+                .iter()
+                .filter(|(t, _)| *t > from && *t <= to)
+                .map(|x| x.1)
+                .collect();
             if v.is_empty() {
                 0.0
             } else {
@@ -333,9 +381,18 @@ impl AutoscaleRun {
             .map(|(t, _)| t.duration_since(added_at));
         let last_sample = self.series.last().map(|x| x.0).unwrap_or(removed_at);
         let phases = vec![
-            PhaseHitRate { phase: "before (7 instances)".into(), kv_hit_rate: steady },
-            PhaseHitRate { phase: "after join (8)".into(), kv_hit_rate: mean(added_at, removed_at) },
-            PhaseHitRate { phase: "after leave (7)".into(), kv_hit_rate: mean(removed_at, last_sample) },
+            PhaseHitRate {
+                phase: "before (7 instances)".into(),
+                kv_hit_rate: steady,
+            },
+            PhaseHitRate {
+                phase: "after join (8)".into(),
+                kv_hit_rate: mean(added_at, removed_at),
+            },
+            PhaseHitRate {
+                phase: "after leave (7)".into(),
+                kv_hit_rate: mean(removed_at, last_sample),
+            },
         ];
         let window = self.every * 6;
         Ok(AutoscaleReport {
@@ -345,7 +402,11 @@ impl AutoscaleRun {
             keys_moved_on_leave: moved_keys(samples, removed_at, window, Some(&removed_url)),
             recovered_after_join_s: recovered.map(|d| d.as_secs_f64()),
             phases,
-            hit_rate_series: self.series.iter().map(|(t, h)| (t.duration_since(first).as_secs_f64(), *h)).collect(),
+            hit_rate_series: self
+                .series
+                .iter()
+                .map(|(t, h)| (t.duration_since(first).as_secs_f64(), *h))
+                .collect(),
         })
     }
 }
@@ -356,12 +417,23 @@ impl AutoscaleRun {
 fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option<&str>) -> f64 {
     let main = |from: Instant, to: Instant| {
         let mut counts: HashMap<u64, HashMap<&str, u32>> = HashMap::new();
-        for s in samples.iter().filter(|s| s.error.is_none() && s.done >= from && s.done < to) {
-            *counts.entry(s.affinity).or_default().entry(s.instance.as_str()).or_default() += 1;
+        for s in samples
+            .iter()
+            .filter(|s| s.error.is_none() && s.done >= from && s.done < to)
+        {
+            *counts
+                .entry(s.affinity)
+                .or_default()
+                .entry(s.instance.as_str())
+                .or_default() += 1;
         }
         counts
             .into_iter()
-            .filter_map(|(k, m)| m.into_iter().max_by_key(|x| (x.1, x.0)).map(|(i, _)| (k, i)))
+            .filter_map(|(k, m)| {
+                m.into_iter()
+                    .max_by_key(|x| (x.1, x.0))
+                    .map(|(i, _)| (k, i))
+            })
             .collect::<HashMap<u64, &str>>()
     };
     let before = main(at.checked_sub(window).unwrap_or(at), at);
@@ -407,7 +479,11 @@ pub struct DemoArgs {
 /// `prefixctl demo`: one fleet on long-context, RANDOM for the first half, then the variant is
 /// switched to PREFIX_AWARE live with UpdateEndpointConfig, and both halves are printed side by side.
 pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.time_scale > 0.0 && args.time_scale <= 10.0, "invalid --time-scale {}", args.time_scale);
+    anyhow::ensure!(
+        args.time_scale > 0.0 && args.time_scale <= 10.0,
+        "invalid --time-scale {}",
+        args.time_scale
+    );
     let workload = Arc::new(Workload::new(WorkloadKind::LongContext, args.seed));
     let documents = Arc::new(workload.documents());
     let bench = BenchArgs {
@@ -475,7 +551,10 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         snaps.push(snapshot(&fleet).await?);
     }
     let half_result = |strategy, from: &Snapshot, to: &Snapshot| {
-        let measured: Vec<&Sample> = samples.iter().filter(|s| s.done >= from.at && s.done <= to.at).collect();
+        let measured: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| s.done >= from.at && s.done <= to.at)
+            .collect();
         StrategyResult::compute(
             strategy,
             args.time_scale,

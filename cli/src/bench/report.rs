@@ -82,21 +82,42 @@ impl StrategyResult {
     ) -> Self {
         let ok: Vec<&&Sample> = measured.iter().filter(|s| s.error.is_none()).collect();
         let errors = measured.len() - ok.len();
-        let mut ttft: Vec<f64> = ok.iter().map(|s| s.ttft.as_secs_f64() * 1e3 / time_scale).collect();
+        let mut ttft: Vec<f64> = ok
+            .iter()
+            .map(|s| s.ttft.as_secs_f64() * 1e3 / time_scale)
+            .collect();
         ttft.sort_by(|a, b| a.total_cmp(b));
         let simulated_window = window.as_secs_f64() / time_scale;
         let output_tokens: u64 = ok.iter().map(|s| u64::from(s.output_tokens)).sum();
-        let deltas: Vec<EngineCounters> =
-            end.iter().enumerate().map(|(i, e)| *e - begin.get(i).copied().unwrap_or_default()).collect();
+        let deltas: Vec<EngineCounters> = end
+            .iter()
+            .enumerate()
+            .map(|(i, e)| *e - begin.get(i).copied().unwrap_or_default())
+            .collect();
         let queries: f64 = deltas.iter().map(|d| d.queries).sum();
         let hits: f64 = deltas.iter().map(|d| d.hits).sum();
         let requests: f64 = deltas.iter().map(|d| d.requests).sum();
-        let instance_share: Vec<f64> =
-            deltas.iter().map(|d| if requests > 0.0 { d.requests / requests } else { 0.0 }).collect();
+        let instance_share: Vec<f64> = deltas
+            .iter()
+            .map(|d| {
+                if requests > 0.0 {
+                    d.requests / requests
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         // Engines that served nothing in the window (e.g. one that left) are not in the variant.
-        let serving: Vec<f64> = instance_share.iter().copied().filter(|s| *s > 0.0).collect();
+        let serving: Vec<f64> = instance_share
+            .iter()
+            .copied()
+            .filter(|s| *s > 0.0)
+            .collect();
         let n = serving.len().max(1) as f64;
-        let max_share_deviation = serving.iter().map(|s| (s - 1.0 / n).abs()).fold(0.0, f64::max);
+        let max_share_deviation = serving
+            .iter()
+            .map(|s| (s - 1.0 / n).abs())
+            .fold(0.0, f64::max);
         let max_load_ratio = serving.iter().copied().fold(0.0, f64::max) * n;
         let us = |q| decisions.quantile(q).map(|s| s * 1e6).unwrap_or(0.0);
         StrategyResult {
@@ -144,7 +165,11 @@ impl BenchReport {
             "workload": workload,
             "date": today(),
         });
-        BenchReport { workload: workload.kind.name().to_string(), config, results }
+        BenchReport {
+            workload: workload.kind.name().to_string(),
+            config,
+            results,
+        }
     }
 
     fn baseline(&self) -> Option<&StrategyResult> {
@@ -155,7 +180,9 @@ impl BenchReport {
     fn rows(&self) -> Vec<Vec<String>> {
         let base = self.baseline();
         let delta = |x: f64, b: Option<f64>| match b {
-            Some(b) if b > 0.0 && (x - b).abs() > f64::EPSILON => format!(" ({:+.0}%)", (x - b) / b * 100.0),
+            Some(b) if b > 0.0 && (x - b).abs() > f64::EPSILON => {
+                format!(" ({:+.0}%)", (x - b) / b * 100.0)
+            }
             _ => String::new(),
         };
         self.results
@@ -165,14 +192,29 @@ impl BenchReport {
                     r.strategy.clone(),
                     format!("{}", r.requests),
                     format!("{}", r.errors),
-                    format!("{:.0}{}", r.ttft_p50_ms, delta(r.ttft_p50_ms, base.map(|b| b.ttft_p50_ms))),
-                    format!("{:.0}{}", r.ttft_p90_ms, delta(r.ttft_p90_ms, base.map(|b| b.ttft_p90_ms))),
+                    format!(
+                        "{:.0}{}",
+                        r.ttft_p50_ms,
+                        delta(r.ttft_p50_ms, base.map(|b| b.ttft_p50_ms))
+                    ),
+                    format!(
+                        "{:.0}{}",
+                        r.ttft_p90_ms,
+                        delta(r.ttft_p90_ms, base.map(|b| b.ttft_p90_ms))
+                    ),
                     format!("{:.0}", r.ttft_p99_ms),
-                    format!("{:.2}{}", r.throughput_rps, delta(r.throughput_rps, base.map(|b| b.throughput_rps))),
+                    format!(
+                        "{:.2}{}",
+                        r.throughput_rps,
+                        delta(r.throughput_rps, base.map(|b| b.throughput_rps))
+                    ),
                     format!("{:.1}%", r.kv_hit_rate * 100.0),
                     format!("{:.2} pt", r.max_share_deviation * 100.0),
                     format!("{:.2}", r.max_load_ratio),
-                    format!("{:.1}/{:.1}", r.route_decision_p50_us, r.route_decision_p99_us),
+                    format!(
+                        "{:.1}/{:.1}",
+                        r.route_decision_p50_us, r.route_decision_p99_us
+                    ),
                 ]
             })
             .collect()
@@ -195,13 +237,27 @@ impl BenchReport {
     pub fn print_table(&self) {
         let rows = self.rows();
         let widths: Vec<usize> = (0..Self::HEADER.len())
-            .map(|c| rows.iter().map(|r| r[c].len()).chain([Self::HEADER[c].len()]).max().unwrap_or(0))
+            .map(|c| {
+                rows.iter()
+                    .map(|r| r[c].len())
+                    .chain([Self::HEADER[c].len()])
+                    .max()
+                    .unwrap_or(0)
+            })
             .collect();
         let line = |cells: Vec<String>| {
-            cells.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = widths[i])).collect::<Vec<_>>().join("  ")
+            cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+                .collect::<Vec<_>>()
+                .join("  ")
         };
         println!("workload {}", self.workload);
-        println!("{}", line(Self::HEADER.iter().map(|s| s.to_string()).collect()));
+        println!(
+            "{}",
+            line(Self::HEADER.iter().map(|s| s.to_string()).collect())
+        );
         for r in rows {
             println!("{}", line(r));
         }
@@ -229,7 +285,12 @@ impl BenchReport {
 
     /// The Markdown section for this workload.
     pub fn markdown(&self, command: &str) -> String {
-        let mut s = format!("### {}\n\n_{}_ · `{}`\n\n", self.section(), today(), command);
+        let mut s = format!(
+            "### {}\n\n_{}_ · `{}`\n\n",
+            self.section(),
+            today(),
+            command
+        );
         s.push_str(&format!("| {} |\n", Self::HEADER.join(" | ")));
         s.push_str(&format!("|{}\n", "---|".repeat(Self::HEADER.len())));
         for r in self.rows() {
@@ -264,7 +325,9 @@ impl BenchReport {
         };
         let section = format!("{begin}\n{}{end}", self.markdown(command));
         let new = match (old.find(&begin), old.find(&end)) {
-            (Some(b), Some(e)) if e > b => format!("{}{}{}", &old[..b], section, &old[e + end.len()..]),
+            (Some(b), Some(e)) if e > b => {
+                format!("{}{}{}", &old[..b], section, &old[e + end.len()..])
+            }
             _ => format!("{}\n{}\n", old.trim_end(), section),
         };
         let tmp = path.with_extension("md.tmp");
@@ -276,7 +339,10 @@ impl BenchReport {
 
 fn today() -> String {
     // Days since the epoch to a civil date (Howard Hinnant's algorithm), to avoid a date crate.
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let z = (secs / 86_400) as i64 + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -291,18 +357,38 @@ fn today() -> String {
 
 /// The demo's side-by-side comparison.
 pub fn print_demo(random: &StrategyResult, prefix: &StrategyResult) {
-    let pct = |a: f64, b: f64| if a > 0.0 { format!("{:+.0}%", (b - a) / a * 100.0) } else { "-".into() };
-    println!("{:<22} {:>12} {:>14} {:>8}", "", "RANDOM", "PREFIX_AWARE", "change");
+    let pct = |a: f64, b: f64| {
+        if a > 0.0 {
+            format!("{:+.0}%", (b - a) / a * 100.0)
+        } else {
+            "-".into()
+        }
+    };
+    println!(
+        "{:<22} {:>12} {:>14} {:>8}",
+        "", "RANDOM", "PREFIX_AWARE", "change"
+    );
     let rows = [
         ("TTFT p50 (ms)", random.ttft_p50_ms, prefix.ttft_p50_ms),
         ("TTFT p90 (ms)", random.ttft_p90_ms, prefix.ttft_p90_ms),
-        ("throughput (req/s)", random.throughput_rps, prefix.throughput_rps),
-        ("KV cache hit rate (%)", random.kv_hit_rate * 100.0, prefix.kv_hit_rate * 100.0),
+        (
+            "throughput (req/s)",
+            random.throughput_rps,
+            prefix.throughput_rps,
+        ),
+        (
+            "KV cache hit rate (%)",
+            random.kv_hit_rate * 100.0,
+            prefix.kv_hit_rate * 100.0,
+        ),
     ];
     for (name, a, b) in rows {
         println!("{name:<22} {a:>12.1} {b:>14.1} {:>8}", pct(a, b));
     }
-    println!("{:<22} {:>12} {:>14}", "errors", random.errors, prefix.errors);
+    println!(
+        "{:<22} {:>12} {:>14}",
+        "errors", random.errors, prefix.errors
+    );
     println!("(times are simulated: engine-sim runs faster than real time; hit rates from the engines' counters)");
 }
 
@@ -312,30 +398,57 @@ pub fn plot(report: &BenchReport, path: &std::path::Path) -> anyhow::Result<()> 
     let root = SVGBackend::new(path, (1100, 450)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(650);
-    let max_ttft = report.results.iter().filter_map(|r| r.ttft_ms_sorted.last().copied()).fold(1.0, f64::max);
+    let max_ttft = report
+        .results
+        .iter()
+        .filter_map(|r| r.ttft_ms_sorted.last().copied())
+        .fold(1.0, f64::max);
     let mut chart = ChartBuilder::on(&left)
         .caption(format!("{}: TTFT CDF", report.workload), ("sans-serif", 18))
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(45)
         .build_cartesian_2d(0f64..max_ttft, 0f64..1f64)?;
-    chart.configure_mesh().x_desc("TTFT (ms, simulated)").y_desc("fraction of requests").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT (ms, simulated)")
+        .y_desc("fraction of requests")
+        .draw()?;
     let colors = [RED, BLUE, GREEN, MAGENTA, CYAN];
     for (i, r) in report.results.iter().enumerate() {
         let n = r.ttft_ms_sorted.len().max(1) as f64;
         let color = colors[i % colors.len()];
         chart
             .draw_series(LineSeries::new(
-                r.ttft_ms_sorted.iter().enumerate().map(|(k, t)| (*t, (k + 1) as f64 / n)),
+                r.ttft_ms_sorted
+                    .iter()
+                    .enumerate()
+                    .map(|(k, t)| (*t, (k + 1) as f64 / n)),
                 color.stroke_width(2),
             ))?
             .label(r.strategy.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
 
-    let instances = report.results.iter().map(|r| r.instance_share.len()).max().unwrap_or(1);
-    let max_share = report.results.iter().flat_map(|r| r.instance_share.iter().copied()).fold(0.0, f64::max).max(0.01);
+    let instances = report
+        .results
+        .iter()
+        .map(|r| r.instance_share.len())
+        .max()
+        .unwrap_or(1);
+    let max_share = report
+        .results
+        .iter()
+        .flat_map(|r| r.instance_share.iter().copied())
+        .fold(0.0, f64::max)
+        .max(0.01);
     let groups = report.results.len().max(1);
     let mut bars = ChartBuilder::on(&right)
         .caption("share of requests per instance", ("sans-serif", 18))
@@ -343,7 +456,10 @@ pub fn plot(report: &BenchReport, path: &std::path::Path) -> anyhow::Result<()> 
         .x_label_area_size(35)
         .y_label_area_size(45)
         .build_cartesian_2d(0f64..instances as f64, 0f64..max_share * 1.15)?;
-    bars.configure_mesh().x_desc("instance").y_desc("share").draw()?;
+    bars.configure_mesh()
+        .x_desc("instance")
+        .y_desc("share")
+        .draw()?;
     let width = 0.8 / groups as f64;
     for (g, r) in report.results.iter().enumerate() {
         let color = colors[g % colors.len()];
@@ -378,10 +494,25 @@ mod tests {
     fn figures_come_from_samples_and_engine_counters() {
         let samples: Vec<Sample> = (1..=100).map(sample).collect();
         let refs: Vec<&Sample> = samples.iter().collect();
-        let begin = vec![EngineCounters { queries: 100.0, hits: 0.0, requests: 10.0 }; 2];
+        let begin = vec![
+            EngineCounters {
+                queries: 100.0,
+                hits: 0.0,
+                requests: 10.0
+            };
+            2
+        ];
         let end = vec![
-            EngineCounters { queries: 1100.0, hits: 900.0, requests: 70.0 },
-            EngineCounters { queries: 1100.0, hits: 700.0, requests: 50.0 },
+            EngineCounters {
+                queries: 1100.0,
+                hits: 900.0,
+                requests: 70.0,
+            },
+            EngineCounters {
+                queries: 1100.0,
+                hits: 700.0,
+                requests: 50.0,
+            },
         ];
         let r = StrategyResult::compute(
             RoutingStrategy::PrefixAware,
@@ -398,7 +529,10 @@ mod tests {
         assert!((r.kv_hit_rate - 0.8).abs() < 1e-9);
         assert_eq!(r.instance_share, vec![0.6, 0.4]);
         assert!((r.max_share_deviation - 0.1).abs() < 1e-9);
-        assert!((r.throughput_rps - 10.0).abs() < 1e-9, "100 requests in 10 simulated seconds");
+        assert!(
+            (r.throughput_rps - 10.0).abs() < 1e-9,
+            "100 requests in 10 simulated seconds"
+        );
         assert!((r.max_load_ratio - 1.2).abs() < 1e-9);
     }
 
@@ -415,25 +549,53 @@ mod tests {
             &Histogram::default(),
             None,
         );
-        BenchReport { workload: workload.into(), config: serde_json::json!({ "routers": routers }), results: vec![r] }
+        BenchReport {
+            workload: workload.into(),
+            config: serde_json::json!({ "routers": routers }),
+            results: vec![r],
+        }
     }
 
     #[test]
     fn markdown_sections_are_replaced_in_place() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("BENCHMARKS.md");
-        report("long-context", 1, 100.0).update_markdown(&path, "prefixctl bench a").unwrap();
-        report("sharegpt", 1, 200.0).update_markdown(&path, "prefixctl bench b").unwrap();
-        report("long-context", 4, 300.0).update_markdown(&path, "prefixctl bench c").unwrap();
-        report("long-context", 1, 400.0).update_markdown(&path, "prefixctl bench d").unwrap();
+        report("long-context", 1, 100.0)
+            .update_markdown(&path, "prefixctl bench a")
+            .unwrap();
+        report("sharegpt", 1, 200.0)
+            .update_markdown(&path, "prefixctl bench b")
+            .unwrap();
+        report("long-context", 4, 300.0)
+            .update_markdown(&path, "prefixctl bench c")
+            .unwrap();
+        report("long-context", 1, 400.0)
+            .update_markdown(&path, "prefixctl bench d")
+            .unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.matches("<!-- bench:long-context -->").count(), 1);
-        assert_eq!(text.matches("<!-- bench:long-context (4 routers) -->").count(), 1);
-        assert!(text.contains("prefixctl bench d") && !text.contains("prefixctl bench a"), "{text}");
+        assert_eq!(
+            text.matches("<!-- bench:long-context (4 routers) -->")
+                .count(),
+            1
+        );
+        assert!(
+            text.contains("prefixctl bench d") && !text.contains("prefixctl bench a"),
+            "{text}"
+        );
         assert!(text.contains("| RANDOM | 10 | 0 | 400 |"), "{text}");
-        let order: Vec<usize> =
-            ["bench:long-context -->", "bench:sharegpt", "bench:long-context (4"].iter().map(|m| text.find(m).unwrap()).collect();
-        assert!(order[0] < order[1] && order[1] < order[2], "sections keep their places");
+        let order: Vec<usize> = [
+            "bench:long-context -->",
+            "bench:sharegpt",
+            "bench:long-context (4",
+        ]
+        .iter()
+        .map(|m| text.find(m).unwrap())
+        .collect();
+        assert!(
+            order[0] < order[1] && order[1] < order[2],
+            "sections keep their places"
+        );
     }
 
     #[test]

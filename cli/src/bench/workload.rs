@@ -74,7 +74,10 @@ impl Request {
     }
 
     pub fn prompt_bytes(&self) -> usize {
-        self.messages.iter().map(|m| m.role.len() + m.content.len() + 2).sum()
+        self.messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len() + 2)
+            .sum()
     }
 }
 
@@ -162,7 +165,8 @@ impl Workload {
 
     /// Deterministic text of about `tokens` tokens, a function of `stream` only.
     pub fn text(&self, stream: u64, tokens: usize) -> String {
-        let mut rng = SmallRng::seed_from_u64(self.seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng =
+            SmallRng::seed_from_u64(self.seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         self.text_from(&mut rng, tokens)
     }
 
@@ -184,17 +188,29 @@ impl Workload {
 
     /// The document pool, built once per run and shared by the clients.
     pub fn documents(&self) -> Vec<std::sync::Arc<str>> {
-        (0..self.documents).map(|d| std::sync::Arc::<str>::from(self.document(d))).collect()
+        (0..self.documents)
+            .map(|d| std::sync::Arc::<str>::from(self.document(d)))
+            .collect()
     }
 
     pub fn system_prompt(&self, i: usize) -> String {
-        format!("You are assistant #{i}. {}", self.text(2_000_000 + i as u64, self.system_prompt_tokens))
+        format!(
+            "You are assistant #{i}. {}",
+            self.text(2_000_000 + i as u64, self.system_prompt_tokens)
+        )
     }
 
     /// The request stream of one client.
     pub fn client(&self, client: usize) -> ClientState {
-        let rng = SmallRng::seed_from_u64(self.seed.wrapping_mul(31).wrapping_add(client as u64 + 1));
-        ClientState { client, rng, conversation: None, served: 0, conversations_started: 0 }
+        let rng =
+            SmallRng::seed_from_u64(self.seed.wrapping_mul(31).wrapping_add(client as u64 + 1));
+        ClientState {
+            client,
+            rng,
+            conversation: None,
+            served: 0,
+            conversations_started: 0,
+        }
     }
 }
 
@@ -204,7 +220,9 @@ fn vocabulary(seed: u64) -> Vec<String> {
     (0..4096)
         .map(|_| {
             let len = rng.random_range(2..10);
-            (0..len).map(|_| (b'a' + rng.random_range(0..26u8)) as char).collect()
+            (0..len)
+                .map(|_| (b'a' + rng.random_range(0..26u8)) as char)
+                .collect()
         })
         .collect()
 }
@@ -229,11 +247,18 @@ pub struct ClientState {
 impl ClientState {
     /// The next request. For chats, `last_reply` is the assistant text the previous turn
     /// returned (the next turn resends it, as a chat UI does).
-    pub fn next(&mut self, w: &Workload, documents: &[std::sync::Arc<str>], last_reply: Option<String>) -> Request {
+    pub fn next(
+        &mut self,
+        w: &Workload,
+        documents: &[std::sync::Arc<str>],
+        last_reply: Option<String>,
+    ) -> Request {
         self.served += 1;
         match w.kind {
             WorkloadKind::LongContext | WorkloadKind::Autoscale => self.next_document(w, documents),
-            WorkloadKind::Sharegpt | WorkloadKind::SystemPromptChat => self.next_turn(w, last_reply),
+            WorkloadKind::Sharegpt | WorkloadKind::SystemPromptChat => {
+                self.next_turn(w, last_reply)
+            }
         }
     }
 
@@ -241,8 +266,18 @@ impl ClientState {
         let zipf = Zipf::new(w.documents as f64, w.zipf_exponent).expect("valid Zipf parameters");
         let doc = zipf.sample(&mut self.rng) as usize - 1;
         let question = w.text_from(&mut self.rng, 40);
-        let content = format!("{}\n\nQuestion from client {} #{}: {question}?", documents[doc], self.client, self.served);
-        Request { messages: vec![Message { role: "user", content }], max_tokens: w.answer_tokens, affinity: doc as u64 }
+        let content = format!(
+            "{}\n\nQuestion from client {} #{}: {question}?",
+            documents[doc], self.client, self.served
+        );
+        Request {
+            messages: vec![Message {
+                role: "user",
+                content,
+            }],
+            max_tokens: w.answer_tokens,
+            affinity: doc as u64,
+        }
     }
 
     fn next_turn(&mut self, w: &Workload, last_reply: Option<String>) -> Request {
@@ -250,7 +285,10 @@ impl ClientState {
         let reply_len = LogNormal::new(w.reply_tokens_median.ln(), 0.5).expect("valid log-normal");
         let continuing = match (&mut self.conversation, last_reply) {
             (Some(c), Some(reply)) if c.turns_left > 0 => {
-                c.history.push(Message { role: "assistant", content: reply });
+                c.history.push(Message {
+                    role: "assistant",
+                    content: reply,
+                });
                 true
             }
             _ => false,
@@ -262,17 +300,27 @@ impl ClientState {
             let turns = self.rng.random_range(w.min_turns..=w.max_turns);
             self.conversation = Some(Conversation {
                 id,
-                history: vec![Message { role: "system", content: w.system_prompt(system) }],
+                history: vec![Message {
+                    role: "system",
+                    content: w.system_prompt(system),
+                }],
                 turns_left: turns,
             });
         }
         let tokens = (user_len.sample(&mut self.rng) as usize).clamp(4, 2000);
         let user = w.text_from(&mut self.rng, tokens);
         let c = self.conversation.as_mut().expect("a conversation is open");
-        c.history.push(Message { role: "user", content: user });
+        c.history.push(Message {
+            role: "user",
+            content: user,
+        });
         c.turns_left -= 1;
         let max_tokens = (reply_len.sample(&mut self.rng) as u32).clamp(8, 1000);
-        Request { messages: c.history.clone(), max_tokens, affinity: c.id }
+        Request {
+            messages: c.history.clone(),
+            max_tokens,
+            affinity: c.id,
+        }
     }
 }
 
@@ -307,7 +355,10 @@ mod tests {
         for _ in 0..4000 {
             counts[c.next(&w, &d, None).affinity as usize] += 1;
         }
-        assert!(counts[0] > counts[40] * 5, "popularity is skewed: {counts:?}");
+        assert!(
+            counts[0] > counts[40] * 5,
+            "popularity is skewed: {counts:?}"
+        );
         // Overflows one engine, fits the fleet of 7.
         let pool = (w.documents * w.document_tokens) as u64;
         assert!(pool > w.kv_capacity_tokens && pool < 7 * w.kv_capacity_tokens);
@@ -322,7 +373,13 @@ mod tests {
         assert!(first.messages[0].content.len() >= 2500 * BYTES_PER_TOKEN);
         let second = c.next(&w, &[], Some("the reply".into()));
         assert_eq!(second.messages[..2], first.messages[..]);
-        assert_eq!(second.messages[2], Message { role: "assistant", content: "the reply".into() });
+        assert_eq!(
+            second.messages[2],
+            Message {
+                role: "assistant",
+                content: "the reply".into()
+            }
+        );
         assert_eq!(second.affinity, first.affinity);
         // A conversation ends after its turns and the next one starts afresh.
         let mut last = second;

@@ -6,7 +6,9 @@
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn masks(block: &[u8; 64]) -> (u64, u64) {
-    use std::arch::x86_64::{__m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8};
+    use std::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
+    };
     // SAFETY: SSE2 is part of the x86_64 baseline, so these intrinsics are always available; the
     // unaligned 16-byte loads at 16 * k (k < 4) stay inside the 64-byte array.
     unsafe {
@@ -95,7 +97,12 @@ pub(super) struct Specials<'a> {
 
 impl<'a> Specials<'a> {
     pub(super) fn new(b: &'a [u8]) -> Self {
-        Specials { b, block: 0, mask: 0, loaded: false }
+        Specials {
+            b,
+            block: 0,
+            mask: 0,
+            loaded: false,
+        }
     }
 
     fn load(&mut self, at: usize) {
@@ -162,7 +169,12 @@ mod tests {
                     })
                     .collect();
                 for start in [0, 1, 5, 63, 64].into_iter().filter(|&s| s <= len) {
-                    assert_eq!(string_end(&b, start), reference_end(&b, start), "{:?} from {start}", String::from_utf8_lossy(&b));
+                    assert_eq!(
+                        string_end(&b, start),
+                        reference_end(&b, start),
+                        "{:?} from {start}",
+                        String::from_utf8_lossy(&b)
+                    );
                 }
             }
         }

@@ -24,8 +24,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message as _;
 use proto::routing_discovery_server::{RoutingDiscovery, RoutingDiscoveryServer};
 use proto::{
-    EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes, WatchRoutingTableRequest,
-    WatchRoutingTableResponse,
+    EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes,
+    WatchRoutingTableRequest, WatchRoutingTableResponse,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -72,7 +72,9 @@ struct MockService {
     nonce: Arc<AtomicU64>,
 }
 
-type ResponseStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<WatchRoutingTableResponse, tonic::Status>> + Send>>;
+type ResponseStream = Pin<
+    Box<dyn tokio_stream::Stream<Item = Result<WatchRoutingTableResponse, tonic::Status>> + Send>,
+>;
 
 #[tonic::async_trait]
 impl RoutingDiscovery for MockService {
@@ -89,7 +91,9 @@ impl RoutingDiscovery for MockService {
         let requests = self.requests.clone();
         let nonce = self.nonce.clone();
         tokio::spawn(async move {
-            let Ok(Some(hello)) = inbound.message().await else { return };
+            let Ok(Some(hello)) = inbound.message().await else {
+                return;
+            };
             let mut router_version = hello.applied_version;
             let _ = requests.send(hello);
             loop {
@@ -131,7 +135,12 @@ impl MockControlPlane {
         let (tables, tables_rx) = watch::channel(None);
         let (req_tx, req_rx) = mpsc::unbounded_channel();
         let (kill, kill_rx) = watch::channel(false);
-        let service = MockService { tables: tables_rx, requests: req_tx, kill: kill_rx.clone(), nonce: Arc::default() };
+        let service = MockService {
+            tables: tables_rx,
+            requests: req_tx,
+            kill: kill_rx.clone(),
+            nonce: Arc::default(),
+        };
         let mut kill_server = kill_rx;
         let server = tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()
@@ -158,14 +167,20 @@ impl MockControlPlane {
     /// The next message any router sent.
     pub async fn next_request(&self) -> WatchRoutingTableRequest {
         let mut rx = self.requests.lock().await;
-        tokio::time::timeout(WAIT, rx.recv()).await.expect("no message from the router").expect("closed")
+        tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .expect("no message from the router")
+            .expect("closed")
     }
 
     /// Waits for an ACK of `version` (skipping other messages).
     pub async fn ack(&self, version: u64) -> WatchRoutingTableRequest {
         loop {
             let m = self.next_request().await;
-            if !m.response_nonce.is_empty() && m.error_detail.is_empty() && m.applied_version == version {
+            if !m.response_nonce.is_empty()
+                && m.error_detail.is_empty()
+                && m.applied_version == version
+            {
                 return m;
             }
         }
@@ -194,12 +209,18 @@ impl MockControlPlane {
 pub fn prefix_aware(prefix_length: u32, concurrency_threshold: u32) -> RoutingConfig {
     RoutingConfig {
         routing_strategy: RoutingStrategy::PrefixAware as i32,
-        prefix_aware_routing_config: Some(PrefixAwareRoutingConfig { prefix_length, concurrency_threshold }),
+        prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+            prefix_length,
+            concurrency_threshold,
+        }),
     }
 }
 
 pub fn strategy(s: RoutingStrategy) -> RoutingConfig {
-    RoutingConfig { routing_strategy: s as i32, prefix_aware_routing_config: None }
+    RoutingConfig {
+        routing_strategy: s as i32,
+        prefix_aware_routing_config: None,
+    }
 }
 
 pub fn variant<S: AsRef<str>>(name: &str, config: RoutingConfig, addresses: &[S]) -> VariantRoutes {
@@ -210,7 +231,10 @@ pub fn variant<S: AsRef<str>>(name: &str, config: RoutingConfig, addresses: &[S]
         routing_config: Some(config),
         instances: addresses
             .iter()
-            .map(|a| proto::Instance { instance_id: a.as_ref().into(), address: a.as_ref().into() })
+            .map(|a| proto::Instance {
+                instance_id: a.as_ref().into(),
+                address: a.as_ref().into(),
+            })
             .collect(),
     }
 }
@@ -229,8 +253,15 @@ pub fn table(version: u64, endpoints: Vec<EndpointRoutes>) -> proto::RoutingTabl
 }
 
 /// One endpoint "e" with one variant "v1".
-pub fn simple_table<S: AsRef<str>>(version: u64, config: RoutingConfig, addresses: &[S]) -> proto::RoutingTable {
-    table(version, vec![endpoint("e", vec![variant("v1", config, addresses)])])
+pub fn simple_table<S: AsRef<str>>(
+    version: u64,
+    config: RoutingConfig,
+    addresses: &[S],
+) -> proto::RoutingTable {
+    table(
+        version,
+        vec![endpoint("e", vec![variant("v1", config, addresses)])],
+    )
 }
 
 // ---------------------------------------------------------------- model servers
@@ -283,15 +314,32 @@ struct BackendState {
 
 type BackendBody = BoxBody<Bytes, Infallible>;
 
-async fn backend_handle(state: Arc<BackendState>, req: Request<Incoming>) -> Result<Response<BackendBody>, Infallible> {
+async fn backend_handle(
+    state: Arc<BackendState>,
+    req: Request<Incoming>,
+) -> Result<Response<BackendBody>, Infallible> {
     state.hits.fetch_add(1, SeqCst);
-    let path = req.uri().path_and_query().map(|p| p.to_string()).unwrap_or_default();
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.to_string())
+        .unwrap_or_default();
     let headers: HashMap<String, String> = req
         .headers()
         .iter()
-        .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+        .map(|(k, v)| {
+            (
+                k.to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
         .collect();
-    let body = req.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     *state.last_request.lock().unwrap() = Some((path.clone(), headers, body.clone()));
     let behavior = state.behavior.lock().unwrap().clone();
     let echo = |state: &BackendState| {
@@ -364,14 +412,21 @@ impl Backend {
             streams: streams.clone(),
             last_request: Arc::default(),
         });
-        let (hits, active, last_request) = (state.hits.clone(), state.active.clone(), state.last_request.clone());
+        let (hits, active, last_request) = (
+            state.hits.clone(),
+            state.active.clone(),
+            state.last_request.clone(),
+        );
         let task = tokio::spawn(async move {
             let mut connections = tokio::task::JoinSet::new();
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let state = state.clone();
                 connections.spawn(async move {
-                    let service = hyper::service::service_fn(move |req| backend_handle(state.clone(), req));
+                    let service =
+                        hyper::service::service_fn(move |req| backend_handle(state.clone(), req));
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
@@ -413,7 +468,10 @@ impl Backend {
     /// The chunk sender of the next streaming request this backend receives.
     pub async fn next_stream(&self) -> mpsc::Sender<Bytes> {
         let mut rx = self.stream_rx.lock().await;
-        tokio::time::timeout(WAIT, rx.recv()).await.expect("no streaming request").expect("closed")
+        tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .expect("no streaming request")
+            .expect("closed")
     }
 }
 
@@ -453,12 +511,21 @@ impl RouterHandle {
         let task = tokio::spawn(data_plane::serve(listener, config, async move {
             let _ = stop_rx.await;
         }));
-        RouterHandle { addr, stop: Some(stop), task: Some(task) }
+        RouterHandle {
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+        }
     }
 
     /// A router watching `cp`, with a node id.
     pub async fn watching(cp: &MockControlPlane, node_id: &str) -> Self {
-        Self::start(Config { control_plane: cp.url.clone(), node_id: Some(node_id.into()), ..Config::default() }).await
+        Self::start(Config {
+            control_plane: cp.url.clone(),
+            node_id: Some(node_id.into()),
+            ..Config::default()
+        })
+        .await
     }
 
     /// Starts the graceful shutdown and returns the serve task's handle.
@@ -471,7 +538,11 @@ impl RouterHandle {
 
     pub async fn shutdown(mut self) {
         let task = self.begin_shutdown();
-        tokio::time::timeout(WAIT, task).await.expect("serve did not return").unwrap().unwrap();
+        tokio::time::timeout(WAIT, task)
+            .await
+            .expect("serve did not return")
+            .unwrap()
+            .unwrap();
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -481,13 +552,16 @@ impl RouterHandle {
     /// Waits until /readyz reports `version`.
     pub async fn wait_version(&self, version: u64) {
         let url = self.url("/readyz");
-        wait_until(&format!("the router serves table version {version}"), || {
-            let url = url.clone();
-            async move {
-                let r = get(&url).await;
-                r.status == 200 && r.json()["table_version"] == version
-            }
-        })
+        wait_until(
+            &format!("the router serves table version {version}"),
+            || {
+                let url = url.clone();
+                async move {
+                    let r = get(&url).await;
+                    r.status == 200 && r.json()["table_version"] == version
+                }
+            },
+        )
         .await;
     }
 
@@ -525,7 +599,10 @@ impl Reply {
         String::from_utf8_lossy(&self.body).into_owned()
     }
     pub fn header(&self, name: &str) -> &str {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
     }
     pub fn instance(&self) -> &str {
         self.header("x-prefix-router-instance")
@@ -537,21 +614,39 @@ impl Reply {
     pub fn assert_error(&self, status: u16, kind: &str) {
         assert_eq!(self.status, status, "{}", self.text());
         let v = self.json();
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{}", self.text());
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{}",
+            self.text()
+        );
         assert_eq!(v["error"]["type"], kind, "{}", self.text());
         assert_eq!(self.header("content-type"), "application/json");
     }
 }
 
 pub async fn send(req: Request<ClientBody>) -> Reply {
-    let resp = tokio::time::timeout(WAIT, client().request(req)).await.expect("request timed out").expect("request failed");
+    let resp = tokio::time::timeout(WAIT, client().request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed");
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.expect("body").to_bytes();
-    Reply { status: parts.status.as_u16(), headers: parts.headers, body }
+    Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    }
 }
 
 pub async fn get(url: &str) -> Reply {
-    send(Request::get(url).body(Full::new(Bytes::new()).boxed()).unwrap()).await
+    send(
+        Request::get(url)
+            .body(Full::new(Bytes::new()).boxed())
+            .unwrap(),
+    )
+    .await
 }
 
 pub async fn post(url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Reply {
@@ -559,12 +654,20 @@ pub async fn post(url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -
 }
 
 /// `post` in a task, for requests that must be in flight together.
-pub fn spawn_post(url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> tokio::task::JoinHandle<Reply> {
+pub fn spawn_post(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> tokio::task::JoinHandle<Reply> {
     let req = post_request(url, headers, body);
     tokio::spawn(send(req))
 }
 
-pub fn post_request(url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Request<ClientBody> {
+pub fn post_request(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Request<ClientBody> {
     let mut b = Request::post(url).header("content-type", "application/json");
     for (k, v) in headers {
         b = b.header(*k, *v);
@@ -574,8 +677,10 @@ pub fn post_request(url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>)
 
 /// A chat body.
 pub fn chat(messages: &[(&str, &str)]) -> String {
-    let msgs: Vec<serde_json::Value> =
-        messages.iter().map(|(r, c)| serde_json::json!({"role": r, "content": c})).collect();
+    let msgs: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+        .collect();
     serde_json::json!({"model": "e", "messages": msgs}).to_string()
 }
 

@@ -42,16 +42,28 @@ impl Fleet {
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let engine_url = format!("http://{}", listener.local_addr().unwrap());
-        let engine = engine_sim::Config { time_scale: 0.01, ..engine_sim::Config::default() };
+        let engine = engine_sim::Config {
+            time_scale: 0.01,
+            ..engine_sim::Config::default()
+        };
         tokio::spawn(engine_sim::serve(listener, engine, std::future::pending()));
 
-        let client = proto::client::Client::connect(control_plane.url.clone()).await.unwrap();
+        let client = proto::client::Client::connect(control_plane.url.clone())
+            .await
+            .unwrap();
         async {
             let variants = vec![variant("v1", RoutingStrategy::PrefixAware, &[&engine_url])];
-            client.create_endpoint_config(ENDPOINT, variants).await.unwrap();
+            client
+                .create_endpoint_config(ENDPOINT, variants)
+                .await
+                .unwrap();
             client.create_endpoint(ENDPOINT, ENDPOINT).await.unwrap();
         }
-        .instrument(tracing::info_span!("prefixctl", otel.name = "setup", otel.kind = "client"))
+        .instrument(tracing::info_span!(
+            "prefixctl",
+            otel.name = "setup",
+            otel.kind = "client"
+        ))
         .await;
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -65,17 +77,29 @@ impl Fleet {
         tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
 
         let http = Client::builder(TokioExecutor::new()).build_http();
-        let fleet = Fleet { control_plane, engine_url, router, http, _dir: dir };
-        wait_for("the data plane to apply a routing table", Duration::from_secs(15), || async {
-            let ready = fleet.get("/readyz").await;
-            (ready.status == 200).then_some(())
-        })
+        let fleet = Fleet {
+            control_plane,
+            engine_url,
+            router,
+            http,
+            _dir: dir,
+        };
+        wait_for(
+            "the data plane to apply a routing table",
+            Duration::from_secs(15),
+            || async {
+                let ready = fleet.get("/readyz").await;
+                (ready.status == 200).then_some(())
+            },
+        )
         .await;
         fleet
     }
 
     pub async fn get(&self, path: &str) -> Answer {
-        let req = http::Request::get(format!("{}{path}", self.router)).body(Full::new(Bytes::new())).unwrap();
+        let req = http::Request::get(format!("{}{path}", self.router))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
         self.send(req).await
     }
 
@@ -91,7 +115,10 @@ impl Fleet {
             .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
             .unwrap();
         for (name, value) in headers {
-            req.headers_mut().insert(http::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
+            req.headers_mut().insert(
+                http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                value.parse().unwrap(),
+            );
         }
         self.send(req).await
     }
@@ -103,6 +130,10 @@ impl Fleet {
             .expect("the data plane answers");
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.expect("a whole body").to_bytes();
-        Answer { status: parts.status.as_u16(), headers: parts.headers, body }
+        Answer {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body,
+        }
     }
 }
