@@ -2,7 +2,9 @@
 //! same run.
 //!
 //! Run: `cargo bench -p integration-tests --bench router_overhead` (env `REQUESTS`, `STRATEGY`
-//! = RANDOM | LEAST_OUTSTANDING_REQUESTS | PREFIX_AWARE, `SECONDS` for the throughput phase).
+//! = RANDOM | LEAST_OUTSTANDING_REQUESTS | PREFIX_AWARE, `SECONDS` for the throughput phase;
+//! `OTLP=1` exports every span, 100% sampled, to an in-process OTLP collector that counts them,
+//! to compare the added latency with tracing on against a run with it off).
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
@@ -22,6 +24,12 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use proto::control_plane_client::ControlPlaneClient;
 use proto::*;
 
@@ -130,11 +138,57 @@ async fn throughput(target: &http::Uri, body: &Bytes, connections: usize, second
     n as f64 / elapsed
 }
 
+/// An OTLP trace collector that only counts the spans it receives.
+struct CountingCollector(Arc<AtomicU64>);
+
+#[tonic::async_trait]
+impl TraceService for CountingCollector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let spans: usize = request
+            .into_inner()
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum();
+        self.0.fetch_add(spans as u64, Ordering::Relaxed);
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+async fn start_collector(count: Arc<AtomicU64>) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(CountingCollector(count)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    Ok(url)
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--list") {
         return Ok(());
     }
+    let exported = Arc::new(AtomicU64::new(0));
+    let telemetry_guard = if env("OTLP", 0u8) == 1 {
+        std::env::set_var("OTEL_TRACES_SAMPLER", "always_on");
+        let url = start_collector(exported.clone()).await?;
+        Some(telemetry::init(
+            "data-plane",
+            telemetry::LogFormat::Text,
+            Some(url),
+        ))
+    } else {
+        None
+    };
     let requests: usize = env("REQUESTS", 4000);
     let seconds: f64 = env("SECONDS", 5.0);
     let strategy_name: String = env("STRATEGY", "PREFIX_AWARE".to_string());
@@ -225,8 +279,9 @@ async fn main() -> anyhow::Result<()> {
     d.sort_by(f64::total_cmp);
     r.sort_by(f64::total_cmp);
     println!(
-        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once",
-        strategy.user_name()
+        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once, tracing export {}",
+        strategy.user_name(),
+        if telemetry_guard.is_some() { "on (100% sampled)" } else { "off" }
     );
     println!("  1 connection, {requests} requests each (µs):");
     println!(
@@ -253,5 +308,12 @@ async fn main() -> anyhow::Result<()> {
         "    direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}",
         routed_rps / direct_rps
     );
+    if let Some(t) = &telemetry_guard {
+        t.force_flush();
+        println!(
+            "  spans received by the collector: {}",
+            exported.load(Ordering::Relaxed)
+        );
+    }
     Ok(())
 }
