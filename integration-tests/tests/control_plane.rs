@@ -64,6 +64,15 @@ async fn create_endpoint(
     .unwrap()
 }
 
+/// Config "cfg" with one variant "v1" over instance A, and endpoint "ep" routing with it.
+async fn endpoint_ep_over_a(
+    c: &mut ControlPlaneClient<Channel>,
+    strategy: RoutingStrategy,
+) -> Endpoint {
+    create_config(c, "cfg", vec![variant("v1", strategy, &[A])]).await;
+    create_endpoint(c, "ep", "cfg").await
+}
+
 async fn describe_endpoint(
     c: &mut ControlPlaneClient<Channel>,
     name: &str,
@@ -323,13 +332,7 @@ async fn invalid_input_is_rejected_and_nothing_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::Random, &[A])],
-    )
-    .await;
-    create_endpoint(&mut c, "ep", "cfg").await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
     let before_configs = c
         .list_endpoint_configs(ListEndpointConfigsRequest {})
         .await
@@ -518,13 +521,7 @@ async fn watcher_gets_current_table_then_each_version_and_reports_rollout() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::Random, &[A])],
-    )
-    .await;
-    let ep = create_endpoint(&mut c, "ep", "cfg").await;
+    let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
 
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
     let (resp, table) = w.next().await;
@@ -607,13 +604,7 @@ async fn metrics_report_rpcs_watchers_and_each_nodes_lag() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start_with_metrics(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::Random, &[A])],
-    )
-    .await;
-    let ep = create_endpoint(&mut c, "ep", "cfg").await;
+    let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
     let again = c
         .create_endpoint(CreateEndpointRequest {
             endpoint_name: "ep".into(),
@@ -715,13 +706,7 @@ async fn reconnect_with_current_version_gets_no_resend() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::Random, &[A])],
-    )
-    .await;
-    let ep = create_endpoint(&mut c, "ep", "cfg").await;
+    let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
 
     let mut w = Watcher::connect(&cp.url, "router-1", ep.routing_table_version).await;
     // Nothing is resent for the version it holds: the first thing it receives is the next one.
@@ -743,13 +728,7 @@ async fn concurrent_updates_lose_no_write_and_reuse_no_version() {
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
     let mut c = cp.client().await;
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::Random, &[A])],
-    )
-    .await;
-    let ep = create_endpoint(&mut c, "ep", "cfg").await;
+    let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
 
     let mut tasks = Vec::new();
     for t in 0..8 {
@@ -804,13 +783,7 @@ async fn registered_instances_join_the_table_and_leave_when_their_lease_expires(
     let cp =
         InProcessControlPlane::start_with_lease_check(dir.path(), Duration::from_millis(50)).await;
     let mut c = cp.client().await;
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::PrefixAware, &[A])],
-    )
-    .await;
-    create_endpoint(&mut c, "ep", "cfg").await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
     w.next().await;
 
@@ -903,13 +876,7 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
     let data = data_dir.to_str().unwrap();
     let mut server = ChildServer::start("control-plane", &["--data-dir", data]).unwrap();
     let mut c = ControlPlaneClient::connect(server.url()).await.unwrap();
-    create_config(
-        &mut c,
-        "cfg",
-        vec![variant("v1", RoutingStrategy::Random, &[A])],
-    )
-    .await;
-    create_endpoint(&mut c, "ep", "cfg").await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
     let up = update_config(
         &mut c,
         "cfg",
