@@ -281,26 +281,7 @@ fn json_output_pastes_back_in() {
 #[test]
 fn instances_register_renew_and_deregister() {
     let cp = ControlPlane::start();
-    cp.prefixctl(&[
-        "endpoint-config",
-        "create",
-        "--endpoint-config-name",
-        "c",
-        "--production-variants",
-        VARIANTS,
-    ])
-    .assert()
-    .success();
-    cp.prefixctl(&[
-        "endpoint",
-        "create",
-        "--endpoint-name",
-        "e",
-        "--endpoint-config-name",
-        "c",
-    ])
-    .assert()
-    .success();
+    cp.create_config_c_and_endpoint_e();
     let i = cp.json(&[
         "instance",
         "register",
@@ -353,26 +334,7 @@ fn instances_register_renew_and_deregister() {
 #[test]
 fn routing_table_watch_prints_each_version() {
     let cp = ControlPlane::start();
-    cp.prefixctl(&[
-        "endpoint-config",
-        "create",
-        "--endpoint-config-name",
-        "c",
-        "--production-variants",
-        VARIANTS,
-    ])
-    .assert()
-    .success();
-    cp.prefixctl(&[
-        "endpoint",
-        "create",
-        "--endpoint-name",
-        "e",
-        "--endpoint-config-name",
-        "c",
-    ])
-    .assert()
-    .success();
+    cp.create_config_c_and_endpoint_e();
 
     let out = cp
         .prefixctl(&[

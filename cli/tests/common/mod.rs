@@ -19,6 +19,30 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
+    /// Endpoint config "c" (VARIANTS) and endpoint "e" routing with it, through prefixctl.
+    pub fn create_config_c_and_endpoint_e(&self) {
+        self.prefixctl(&[
+            "endpoint-config",
+            "create",
+            "--endpoint-config-name",
+            "c",
+            "--production-variants",
+            VARIANTS,
+        ])
+        .assert()
+        .success();
+        self.prefixctl(&[
+            "endpoint",
+            "create",
+            "--endpoint-name",
+            "e",
+            "--endpoint-config-name",
+            "c",
+        ])
+        .assert()
+        .success();
+    }
+
     pub fn start() -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let runtime = tokio::runtime::Builder::new_multi_thread()
