@@ -467,7 +467,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u64).range(10..=60))]
     pub seconds: u64,
     /// Concurrent clients.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub concurrency: u64,
     /// Engine speed (0.1 = ten times real time).
     #[arg(long, default_value_t = 0.1)]
