@@ -8,14 +8,10 @@ use std::collections::HashSet;
 
 use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy};
 
-/// Allowed `prefix_length` (characters or bytes of the prompt that form the affinity key).
-pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 64..=65536;
-/// Allowed `concurrency_threshold` (in-flight requests at which affinity is bypassed).
-pub const CONCURRENCY_THRESHOLD_RANGE: std::ops::RangeInclusive<u32> = 1..=4096;
-/// Used when a PREFIX_AWARE variant leaves `prefix_length` unset (0).
-pub const DEFAULT_PREFIX_LENGTH: u32 = 2048;
-/// Used when a PREFIX_AWARE variant leaves `concurrency_threshold` unset (0).
-pub const DEFAULT_CONCURRENCY_THRESHOLD: u32 = 64;
+pub use proto::limits::{
+    CONCURRENCY_THRESHOLD_RANGE, DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH,
+    PREFIX_LENGTH_RANGE,
+};
 /// Lease given to a registered instance that asks for none.
 pub const DEFAULT_LEASE_TTL_SECONDS: u32 = 30;
 pub const MAX_LEASE_TTL_SECONDS: u32 = 3600;

@@ -14,12 +14,10 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::load::{InstanceState, VariantLoad};
 use crate::metrics::RouteStats;
 
-/// Default `prefix_length` when the table leaves it 0.
-pub const DEFAULT_PREFIX_LENGTH: u32 = 2048;
-/// Default `concurrency_threshold` when the table leaves it 0.
-pub const DEFAULT_CONCURRENCY_THRESHOLD: u32 = 64;
-pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 64..=65536;
-pub const CONCURRENCY_THRESHOLD_RANGE: std::ops::RangeInclusive<u32> = 1..=4096;
+pub use proto::limits::{
+    CONCURRENCY_THRESHOLD_RANGE, DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH,
+    PREFIX_LENGTH_RANGE,
+};
 
 /// Why a wire routing table was rejected (the NACK's error detail).
 #[derive(Debug, thiserror::Error, PartialEq)]

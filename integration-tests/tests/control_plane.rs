@@ -64,6 +64,18 @@ async fn create_endpoint(
     .unwrap()
 }
 
+async fn register(
+    c: &mut ControlPlaneClient<Channel>,
+    req: RegisterInstanceRequest,
+) -> RegisteredInstance {
+    c.register_instance(req)
+        .await
+        .expect("register instance")
+        .into_inner()
+        .instance
+        .unwrap()
+}
+
 /// Config "cfg" with one variant "v1" over instance A, and endpoint "ep" routing with it.
 async fn endpoint_ep_over_a(
     c: &mut ControlPlaneClient<Channel>,
@@ -793,27 +805,9 @@ async fn registered_instances_join_the_table_and_leave_when_their_lease_expires(
         address: addr.into(),
         lease_ttl_seconds: ttl,
     };
-    let short = c
-        .register_instance(reg(B, 1))
-        .await
-        .unwrap()
-        .into_inner()
-        .instance
-        .unwrap();
-    let long = c
-        .register_instance(reg("http://127.0.0.1:9003", 600))
-        .await
-        .unwrap()
-        .into_inner()
-        .instance
-        .unwrap();
-    let again = c
-        .register_instance(reg("http://127.0.0.1:9003", 600))
-        .await
-        .unwrap()
-        .into_inner()
-        .instance
-        .unwrap();
+    let short = register(&mut c, reg(B, 1)).await;
+    let long = register(&mut c, reg("http://127.0.0.1:9003", 600)).await;
+    let again = register(&mut c, reg("http://127.0.0.1:9003", 600)).await;
     assert_eq!(
         long.instance_id, again.instance_id,
         "re-registering an address renews it"

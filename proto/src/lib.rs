@@ -18,6 +18,19 @@ pub use v1::*;
 
 pub mod client;
 
+/// PREFIX_AWARE limits and defaults, part of the API: the control plane validates against them
+/// and the data plane re-checks every table it receives.
+pub mod limits {
+    /// Allowed `prefix_length` (characters or bytes of the prompt that form the affinity key).
+    pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 64..=65536;
+    /// Allowed `concurrency_threshold` (in-flight requests at which affinity is bypassed).
+    pub const CONCURRENCY_THRESHOLD_RANGE: std::ops::RangeInclusive<u32> = 1..=4096;
+    /// Used when a PREFIX_AWARE variant leaves `prefix_length` unset (0).
+    pub const DEFAULT_PREFIX_LENGTH: u32 = 2048;
+    /// Used when a PREFIX_AWARE variant leaves `concurrency_threshold` unset (0).
+    pub const DEFAULT_CONCURRENCY_THRESHOLD: u32 = 64;
+}
+
 impl RoutingStrategy {
     /// The name users type (`RANDOM`, `LEAST_OUTSTANDING_REQUESTS`, `PREFIX_AWARE`).
     pub fn user_name(self) -> &'static str {
