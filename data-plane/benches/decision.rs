@@ -82,6 +82,25 @@ fn chat_body_32k() -> Vec<u8> {
     }
 }
 
+/// A 32 KiB chat as serializers with sorted keys send it (serde_json without `preserve_order`,
+/// Go's maps): `content` BEFORE `role`, so the whole 31 KiB user message is skipped to learn its
+/// role. The shape of the `router_overhead` benchmark's body.
+fn chat_body_32k_content_first() -> Vec<u8> {
+    let system = "You are a helpful assistant. ".repeat(40);
+    let mut user = String::new();
+    let mut i = 0u64;
+    while system.len() + user.len() < 32 * 1024 - 200 {
+        user.push_str(&format!("word{} ", i.wrapping_mul(2654435761) % 100_000));
+        i += 1;
+    }
+    serde_json::to_vec(&serde_json::json!({
+        "model": "bench",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 1
+    }))
+    .unwrap()
+}
+
 fn decision(c: &mut Criterion) {
     let body = chat_body_32k();
     assert!(body.len() >= 32 * 1024);
@@ -174,6 +193,17 @@ fn decision(c: &mut Criterion) {
                 BodyKind::OpenAi,
                 black_box(&body),
                 2048,
+                1,
+            ))
+        })
+    });
+    let content_first = chat_body_32k_content_first();
+    c.bench_function("parts/prompt_key_4096_chars_content_first", |b| {
+        b.iter(|| {
+            black_box(data_plane::prompt::prompt_key(
+                BodyKind::OpenAi,
+                black_box(&content_first),
+                4096,
                 1,
             ))
         })

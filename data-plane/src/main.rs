@@ -2,6 +2,13 @@
 
 use std::process::ExitCode;
 
+// mimalloc rather than the system allocator: the request path's allocations (hyper's buffers and
+// header maps, the request body) cost about a tenth of the router's CPU with glibc malloc
+// (`perf` on the router_overhead benchmark); with mimalloc the added latency p50 fell from about
+// 66 to 59 µs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::Parser;
 use data_plane::Config;
 

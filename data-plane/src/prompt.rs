@@ -171,6 +171,19 @@ impl TextKey {
         }
     }
 
+    /// Where the next search for special bytes from `at` stops (at most `limit`): `remaining`
+    /// bytes, moved forward to a character boundary. Every character is at least one byte, so the
+    /// window never holds more than the rest of the key and ends on a whole character; for ASCII
+    /// one window completes the key, so a long string is not searched past the key region. The
+    /// caller loops while the key is not full.
+    fn window_end(&self, b: &[u8], at: usize, limit: usize) -> usize {
+        let mut end = at.saturating_add(self.remaining.max(1)).min(limit);
+        while end < limit && (b[end] & 0xC0) == 0x80 {
+            end += 1;
+        }
+        end
+    }
+
     /// Feeds whole characters (`piece` is a run of complete UTF-8 sequences, or ends where the
     /// budget cuts it).
     fn push(&mut self, piece: &[u8]) {
@@ -246,8 +259,20 @@ fn sum_lanes(x: u64) -> usize {
 
 /// Byte length and character count of the first `limit` characters of `bytes`.
 fn cut_chars(bytes: &[u8], limit: usize) -> (usize, usize) {
+    const HIGH: u64 = 0x8080_8080_8080_8080;
     let mut chars = 0;
-    for (i, &b) in bytes.iter().enumerate() {
+    // Eight bytes at a time while the whole word fits the budget, then byte by byte.
+    let mut start = 0;
+    for word in bytes.chunks_exact(8) {
+        let x = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+        let in_word = 8 - ((x & !(x << 1) & HIGH).count_ones() as usize);
+        if chars + in_word > limit {
+            break;
+        }
+        chars += in_word;
+        start += 8;
+    }
+    for (i, &b) in bytes.iter().enumerate().skip(start) {
         if (b & 0xC0) != 0x80 {
             if chars == limit {
                 return (i, chars);
@@ -450,7 +475,10 @@ fn emit_span(b: &[u8], span: Span, key: &mut TextKey) -> Option<()> {
     let mut out = Decoded::new();
     let mut i = span.start;
     while i < span.end && !key.full {
-        match specials.find(i, span.end) {
+        // As in `stream_string`: look no further than the rest of the key can reach, so a long
+        // span is not searched past the key region.
+        let wend = key.window_end(b, i, span.end);
+        match specials.find(i, wend) {
             Some(j) => {
                 out.run(&b[i..j], key);
                 let (c, next) = unescape(b, j)?;
@@ -458,8 +486,9 @@ fn emit_span(b: &[u8], span: Span, key: &mut TextKey) -> Option<()> {
                 i = next;
             }
             None => {
-                out.run(&b[i..span.end], key);
-                break;
+                out.run(&b[i..wend], key);
+                out.flush(key);
+                i = wend;
             }
         }
     }
@@ -527,10 +556,7 @@ fn stream_string(s: &mut Scan<'_>, key: &mut TextKey) -> Option<()> {
         if key.full {
             return Some(());
         }
-        // Every character is at most 4 bytes, so this window holds the rest of the key (the
-        // budget is not yet charged for `out`, so it may be larger than needed).
-        let window = key.remaining.saturating_mul(4).saturating_add(4);
-        let wend = b.len().min(i.saturating_add(window));
+        let wend = key.window_end(b, i, b.len());
         match specials.find(i, wend) {
             None => {
                 if wend == b.len() {
@@ -981,6 +1007,30 @@ mod tests {
     }
 
     #[test]
+    fn cut_chars_stops_at_the_start_of_the_character_past_the_limit() {
+        for text in [
+            "",
+            "a",
+            "héllo wörld",
+            &"é€😀a".repeat(40),
+            &"x".repeat(100),
+        ] {
+            let total = text.chars().count();
+            for limit in 0..=total + 2 {
+                let expected = text
+                    .char_indices()
+                    .nth(limit)
+                    .map_or(text.len(), |(at, _)| at);
+                assert_eq!(
+                    cut_chars(text.as_bytes(), limit),
+                    (expected, limit.min(total)),
+                    "{text:?} cut at {limit}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn prefix_length_counts_characters_not_bytes() {
         let body = r#"{"messages":[{"role":"system","content":"héllo wörld"}]}"#;
         let k = chat(body, 10);
@@ -989,6 +1039,61 @@ mod tests {
         // cut inside an escaped run
         let body = r#"{"messages":[{"role":"user","content":"a\nb\u00e9cd"}]}"#;
         assert_eq!(chat(body, 9).hash, text_hash("user\na\nbé", DEFAULT_SEED));
+    }
+
+    /// The key of `text`'s first `limit` characters, computed the obvious way.
+    fn reference_key(text: &str, limit: usize) -> (u64, u32) {
+        let cut: String = text.chars().take(limit).collect();
+        (text_hash(&cut, DEFAULT_SEED), cut.chars().count() as u32)
+    }
+
+    #[test]
+    fn long_multibyte_and_escaped_text_is_cut_on_whole_characters() {
+        // Prose in 1-, 2-, 3- and 4-byte characters with escapes, long enough that the key ends
+        // inside it at every limit below.
+        // and long runs without any escape, where the search window, not an escape, ends a piece.
+        let content = r#"Grüße, 世界! 😀 tab\there \\ \"q\" \u00e9 end. "#.repeat(30)
+            + &"世界😀üa".repeat(300)
+            + r#"\n"#;
+        let decoded: String = serde_json::from_str(&format!("\"{content}\"")).unwrap();
+        let system = "sys";
+        for (order, body) in [
+            (
+                "role first",
+                format!(
+                    r#"{{"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{content}"}}]}}"#
+                ),
+            ),
+            (
+                "content first",
+                format!(
+                    r#"{{"messages":[{{"content":"{system}","role":"system"}},{{"content":"{content}","role":"user"}}]}}"#
+                ),
+            ),
+        ] {
+            let text = format!("system\n{system}\nuser\n{decoded}\n");
+            for limit in [
+                1, 5, 11, 12, 13, 63, 64, 65, 100, 257, 1000, 1500, 2047, 2500,
+            ] {
+                let k = chat(&body, limit);
+                assert_eq!(k.source, KeySource::Chat, "{order}, limit {limit}");
+                assert_eq!(
+                    (k.hash, k.len),
+                    reference_key(&text, limit),
+                    "{order}, limit {limit}"
+                );
+            }
+        }
+        let completion = format!(r#"{{"prompt":"{content}"}}"#);
+        for limit in [1, 7, 64, 999, 1500, 2500] {
+            let k = prompt_key(BodyKind::OpenAi, completion.as_bytes(), limit, DEFAULT_SEED);
+            assert_eq!(k.source, KeySource::Completion);
+            assert_eq!(
+                (k.hash, k.len),
+                reference_key(&decoded, limit),
+                "limit {limit}"
+            );
+        }
     }
 
     #[test]

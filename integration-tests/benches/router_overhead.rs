@@ -33,6 +33,10 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use proto::control_plane_client::ControlPlaneClient;
 use proto::*;
 
+// The allocator the data-plane binary uses (both paths, direct and routed, run with it).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const RESPONSE: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":8192,"completion_tokens":1,"total_tokens":8193}}"#;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
