@@ -2,14 +2,16 @@
 //! same run.
 //!
 //! Run: `cargo bench -p integration-tests --bench router_overhead` (env `REQUESTS`, `STRATEGY`
-//! = RANDOM | LEAST_OUTSTANDING_REQUESTS | PREFIX_AWARE, `SECONDS` for the throughput phase;
+//! = RANDOM | LEAST_OUTSTANDING_REQUESTS | PREFIX_AWARE, `ROUNDS` x `SECONDS` for the throughput
+//! phase;
 //! `OTLP=1` exports every span, 100% sampled, to an in-process OTLP collector that counts them,
 //! to compare the added latency with tracing on against a run with it off).
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
 //! in blocks so that both see the same machine noise; p50/p99 of each and of the difference.
-//! Phase 2: 32 connections for a fixed time against each target; requests per second and the ratio.
+//! Phase 2: 32 connections for a fixed time against each target, direct and routed alternating for
+//! `ROUNDS` rounds; requests per second and the ratio per round, and their medians.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -194,7 +196,8 @@ async fn main() -> anyhow::Result<()> {
         None
     };
     let requests: usize = env("REQUESTS", 4000);
-    let seconds: f64 = env("SECONDS", 5.0);
+    let seconds: f64 = env("SECONDS", 3.0);
+    let rounds: usize = env("ROUNDS", 5).max(1);
     let strategy_name: String = env("STRATEGY", "PREFIX_AWARE".to_string());
     let strategy = RoutingStrategy::from_user_name(&strategy_name)
         .ok_or_else(|| anyhow::anyhow!("unknown STRATEGY {strategy_name:?}"))?;
@@ -304,13 +307,29 @@ async fn main() -> anyhow::Result<()> {
         pct(&r, 0.99) - pct(&d, 0.99)
     );
 
-    // Phase 2: 32 connections.
-    let direct_rps = throughput(&direct, &body, 32, seconds).await;
-    let routed_rps = throughput(&routed, &body, 32, seconds).await;
-    println!("  32 connections, {seconds} s each:");
+    // Phase 2: 32 connections, direct and routed alternating, so that both see the same machine.
+    println!("  32 connections, {rounds} rounds of {seconds} s each target:");
+    let mut ratios = Vec::with_capacity(rounds);
+    let (mut direct_all, mut routed_all) = (Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        let direct_rps = throughput(&direct, &body, 32, seconds).await;
+        let routed_rps = throughput(&routed, &body, 32, seconds).await;
+        println!(
+            "    round {round}: direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}",
+            routed_rps / direct_rps
+        );
+        ratios.push(routed_rps / direct_rps);
+        direct_all.push(direct_rps);
+        routed_all.push(routed_rps);
+    }
+    for v in [&mut ratios, &mut direct_all, &mut routed_all] {
+        v.sort_by(f64::total_cmp);
+    }
     println!(
-        "    direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}",
-        routed_rps / direct_rps
+        "    median: direct {:>9.0} req/s   routed {:>9.0} req/s   ratio {:.2}",
+        pct(&direct_all, 0.5),
+        pct(&routed_all, 0.5),
+        pct(&ratios, 0.5)
     );
     if let Some(t) = &telemetry_guard {
         t.force_flush();
