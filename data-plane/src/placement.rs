@@ -112,6 +112,9 @@ pub struct Route<'t> {
     pub decision: Decision,
     /// The prompt key hash (PREFIX_AWARE only).
     pub key: Option<u64>,
+    /// Blocks of the prompt prefix hashed into the key (PREFIX_AWARE only, else 0): the prefix
+    /// that decided the placement.
+    pub key_blocks: u32,
 }
 
 /// The router's placement policy: settings plus the local prefix index.
@@ -159,12 +162,13 @@ impl Placement {
                 .pick_variant(rand::rng().random::<f64>())
                 .ok_or_else(|| RouteError::NoVariant(endpoint.name().to_string()))?,
         };
-        let key = match variant.strategy() {
+        let (key, key_blocks) = match variant.strategy() {
             Strategy::PrefixAware(pa) => {
                 let seed = seed_for(req.prefix_aware_id);
-                Some(prompt_key(req.kind, req.body, pa.prefix_length as usize, seed).hash)
+                let k = prompt_key(req.kind, req.body, pa.prefix_length as usize, seed);
+                (Some(k.hash), k.blocks)
             }
-            _ => None,
+            _ => (None, 0),
         };
         let (instance, decision) =
             self.choose(variant, key, None, now_ms())
@@ -178,6 +182,7 @@ impl Placement {
             instance,
             decision,
             key,
+            key_blocks,
         })
     }
 

@@ -166,6 +166,7 @@ impl Router {
             strategy = Empty,
             decision = Empty,
             instance = Empty,
+            prefix_blocks = Empty,
             table_version = Empty,
             request_bytes = Empty,
             status = Empty,
@@ -468,16 +469,42 @@ impl Router {
 
 /// The decision's attributes on the `route` span (call only for an enabled span).
 fn record_route(span: &Span, table: &RoutingTable, route: &Route<'_>, request_bytes: usize) {
-    span.record("endpoint", route.endpoint.name());
-    span.record("variant", route.variant.name());
-    span.record("strategy", route.variant.strategy().user_name());
-    span.record("decision", route.decision.as_str());
-    span.record(
-        "instance",
-        route.variant.instances()[route.instance].address(),
+    let instance = route.variant.instances()[route.instance].address();
+    record_fields(
+        span,
+        [
+            (
+                "endpoint",
+                Some(&route.endpoint.name() as &dyn tracing::Value),
+            ),
+            ("variant", Some(&route.variant.name())),
+            ("strategy", Some(&route.variant.strategy().user_name())),
+            ("decision", Some(&route.decision.as_str())),
+            ("instance", Some(&instance)),
+            ("prefix_blocks", Some(&i64::from(route.key_blocks))),
+            ("table_version", Some(&(table.version() as i64))),
+            ("request_bytes", Some(&(request_bytes as i64))),
+        ],
     );
-    span.record("table_version", table.version() as i64);
-    span.record("request_bytes", request_bytes as i64);
+}
+
+/// Records `values` (field name, value; `None` leaves a field empty) on `span` in ONE trip through
+/// the subscriber: each `Span::record` call is a span lookup and an extensions lock in the trace
+/// layer, so a span's fields are recorded together. Every name must be one the span declares
+/// (else nothing is recorded: a programming error, caught by the tracing tests).
+fn record_fields<const N: usize>(span: &Span, values: [(&str, Option<&dyn tracing::Value>); N]) {
+    let Some(meta) = span.metadata() else {
+        return;
+    };
+    let fields = meta.fields();
+    let found: [Option<tracing::field::Field>; N] = values.map(|(name, _)| fields.field(name));
+    if found.iter().any(Option::is_none) {
+        debug_assert!(false, "a field name not declared by span {}", meta.name());
+        return;
+    }
+    let pairs: [(&tracing::field::Field, Option<&dyn tracing::Value>); N] =
+        std::array::from_fn(|i| (found[i].as_ref().expect("checked above"), values[i].1));
+    span.record_all(&fields.value_set(&pairs));
 }
 
 fn record_status(span: &Span, status: StatusCode) {
@@ -501,8 +528,9 @@ pub(crate) struct BodyTrace {
     upstream: Span,
     route: Span,
     sent: std::time::Instant,
+    status: u16,
+    ttfb_ms: Option<f64>,
     bytes: u64,
-    first_byte: bool,
 }
 
 impl BodyTrace {
@@ -514,7 +542,6 @@ impl BodyTrace {
         status: StatusCode,
     ) -> Option<Box<Self>> {
         let sent = sent?;
-        upstream.record("status", i64::from(status.as_u16()));
         if status.is_server_error() {
             upstream.record("otel.status_code", "error");
         }
@@ -522,24 +549,38 @@ impl BodyTrace {
             upstream,
             route: route.clone(),
             sent,
+            status: status.as_u16(),
+            ttfb_ms: None,
             bytes: 0,
-            first_byte: false,
         }))
     }
 
     fn on_data(&mut self, len: usize) {
-        if !self.first_byte {
-            self.first_byte = true;
-            self.upstream
-                .record("ttfb_ms", self.sent.elapsed().as_secs_f64() * 1e3);
+        if self.ttfb_ms.is_none() {
+            self.ttfb_ms = Some(self.sent.elapsed().as_secs_f64() * 1e3);
         }
         self.bytes += len as u64;
     }
 }
 
 impl Drop for BodyTrace {
+    /// The `upstream` span's status, time to first byte and size, recorded together as it ends.
     fn drop(&mut self) {
-        self.upstream.record("bytes", self.bytes as i64);
+        let ttfb_ms = self.ttfb_ms;
+        record_fields(
+            &self.upstream,
+            [
+                (
+                    "status",
+                    Some(&i64::from(self.status) as &dyn tracing::Value),
+                ),
+                (
+                    "ttfb_ms",
+                    ttfb_ms.as_ref().map(|t| t as &dyn tracing::Value),
+                ),
+                ("bytes", Some(&(self.bytes as i64))),
+            ],
+        );
     }
 }
 

@@ -34,6 +34,10 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use proto::control_plane_client::ControlPlaneClient;
 use proto::*;
+use tracing_subscriber::filter::dynamic_filter_fn;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::Layer as _;
 
 // The allocator the data-plane binary uses (both paths, direct and routed, run with it).
 #[global_allocator]
@@ -42,6 +46,26 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const RESPONSE: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":8192,"completion_tokens":1,"total_tokens":8193}}"#;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// What a request goes to: the backend itself, or the router (with trace export off or on).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Direct,
+    Routed,
+    RoutedExportOff,
+    RoutedExportOn,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Direct => "direct",
+            Mode::Routed => "routed",
+            Mode::RoutedExportOff => "routed/export off",
+            Mode::RoutedExportOn => "routed/export on",
+        }
+    }
+}
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -184,16 +208,34 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let exported = Arc::new(AtomicU64::new(0));
+    // With OTLP=1, the router's spans go through the same trace layer and exporter as the
+    // binaries' (`telemetry::trace_layer`, batch processor, OTLP/gRPC), behind a switch, so that
+    // routed requests with export on and off alternate within this one run.
+    let export_on = Arc::new(AtomicBool::new(false));
     let telemetry_guard = if env("OTLP", 0u8) == 1 {
         std::env::set_var("OTEL_TRACES_SAMPLER", "always_on");
         let url = start_collector(exported.clone()).await?;
-        Some(telemetry::init(
-            "data-plane",
-            telemetry::LogFormat::Text,
-            Some(url),
-        ))
+        let exporter = telemetry::otlp_exporter(&url).map_err(anyhow::Error::msg)?;
+        let provider = telemetry::tracer_provider("data-plane", exporter);
+        let switch = export_on.clone();
+        tracing_subscriber::registry()
+            .with(
+                telemetry::trace_layer(&provider)
+                    // Dynamic: asked at every span (`filter_fn` would cache the first answer).
+                    .with_filter(dynamic_filter_fn(move |_, _| {
+                        switch.load(Ordering::Relaxed)
+                    })),
+            )
+            .try_init()?;
+        telemetry::install_propagator();
+        Some(telemetry::Guard::from(provider))
     } else {
         None
+    };
+    let modes: &[Mode] = if telemetry_guard.is_some() {
+        &[Mode::Direct, Mode::RoutedExportOff, Mode::RoutedExportOn]
+    } else {
+        &[Mode::Direct, Mode::Routed]
     };
     let requests: usize = env("REQUESTS", 4000);
     let seconds: f64 = env("SECONDS", 3.0);
@@ -263,74 +305,96 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    // Phase 1: one connection each, interleaved blocks of 50.
-    let cd = client(1);
-    let cr = client(1);
-    let (mut d, mut r) = (Vec::with_capacity(requests), Vec::with_capacity(requests));
-    for _ in 0..200 {
-        one(&cd, &direct, &body).await?;
-        one(&cr, &routed, &body).await?;
-    }
-    while d.len() < requests {
-        for _ in 0..50 {
-            let t = Instant::now();
-            one(&cd, &direct, &body).await?;
-            d.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-        for _ in 0..50 {
-            let t = Instant::now();
-            one(&cr, &routed, &body).await?;
-            r.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    d.sort_by(f64::total_cmp);
-    r.sort_by(f64::total_cmp);
     println!(
-        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once, tracing export {}",
+        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once, {}",
         strategy.user_name(),
-        if telemetry_guard.is_some() { "on (100% sampled)" } else { "off" }
+        if telemetry_guard.is_some() {
+            "tracing export off and on (100% sampled) alternating"
+        } else {
+            "tracing export off"
+        }
     );
-    println!("  1 connection, {requests} requests each (µs):");
-    println!(
-        "    direct   p50 {:>8.1}  p99 {:>8.1}",
-        pct(&d, 0.5),
-        pct(&d, 0.99)
-    );
-    println!(
-        "    routed   p50 {:>8.1}  p99 {:>8.1}",
-        pct(&r, 0.5),
-        pct(&r, 0.99)
-    );
-    println!(
-        "    added    p50 {:>8.1}  p99 {:>8.1}",
-        pct(&r, 0.5) - pct(&d, 0.5),
-        pct(&r, 0.99) - pct(&d, 0.99)
-    );
+    let target = |mode: Mode| {
+        export_on.store(mode == Mode::RoutedExportOn, Ordering::Relaxed);
+        if mode == Mode::Direct {
+            &direct
+        } else {
+            &routed
+        }
+    };
 
-    // Phase 2: 32 connections, direct and routed alternating, so that both see the same machine.
-    println!("  32 connections, {rounds} rounds of {seconds} s each target:");
-    let mut ratios = Vec::with_capacity(rounds);
-    let (mut direct_all, mut routed_all) = (Vec::new(), Vec::new());
-    for round in 1..=rounds {
-        let direct_rps = throughput(&direct, &body, 32, seconds).await;
-        let routed_rps = throughput(&routed, &body, 32, seconds).await;
-        println!(
-            "    round {round}: direct {direct_rps:>9.0} req/s   routed {routed_rps:>9.0} req/s   ratio {:.2}",
-            routed_rps / direct_rps
-        );
-        ratios.push(routed_rps / direct_rps);
-        direct_all.push(direct_rps);
-        routed_all.push(routed_rps);
+    // Phase 1: one connection per target, interleaved blocks of 50 requests.
+    let clients: Vec<HttpClient> = modes.iter().map(|_| client(1)).collect();
+    let mut latencies: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(requests)).collect();
+    for _ in 0..200 {
+        for (m, &mode) in modes.iter().enumerate() {
+            one(&clients[m], target(mode), &body).await?;
+        }
     }
-    for v in [&mut ratios, &mut direct_all, &mut routed_all] {
+    while latencies[0].len() < requests {
+        for (m, &mode) in modes.iter().enumerate() {
+            let uri = target(mode);
+            for _ in 0..50 {
+                let t = Instant::now();
+                one(&clients[m], uri, &body).await?;
+                latencies[m].push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    for l in &mut latencies {
+        l.sort_by(f64::total_cmp);
+    }
+    println!("  1 connection, {requests} requests each (µs):");
+    for (m, mode) in modes.iter().enumerate() {
+        println!(
+            "    {:<18} p50 {:>8.1}  p99 {:>8.1}",
+            mode.name(),
+            pct(&latencies[m], 0.5),
+            pct(&latencies[m], 0.99)
+        );
+    }
+    let d = &latencies[0];
+    for (m, mode) in modes.iter().enumerate().skip(1) {
+        println!(
+            "    added, {:<11} p50 {:>8.1}  p99 {:>8.1}",
+            mode.name(),
+            pct(&latencies[m], 0.5) - pct(d, 0.5),
+            pct(&latencies[m], 0.99) - pct(d, 0.99)
+        );
+    }
+    if modes.len() == 3 {
+        println!(
+            "    export on minus off: p50 {:>+7.1}  p99 {:>+7.1}",
+            pct(&latencies[2], 0.5) - pct(&latencies[1], 0.5),
+            pct(&latencies[2], 0.99) - pct(&latencies[1], 0.99)
+        );
+    }
+
+    // Phase 2: 32 connections, the targets alternating, so that all see the same machine.
+    println!("  32 connections, {rounds} rounds of {seconds} s each target (req/s):");
+    let mut rates: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(rounds)).collect();
+    let mut ratios: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(rounds)).collect();
+    for round in 1..=rounds {
+        let mut line = format!("    round {round}:");
+        for (m, &mode) in modes.iter().enumerate() {
+            let rps = throughput(target(mode), &body, 32, seconds).await;
+            rates[m].push(rps);
+            ratios[m].push(rps / rates[0][round - 1]);
+            line.push_str(&format!("  {} {rps:>7.0}", mode.name()));
+        }
+        println!("{line}");
+    }
+    for v in rates.iter_mut().chain(ratios.iter_mut()) {
         v.sort_by(f64::total_cmp);
     }
-    println!(
-        "    median: direct {:>9.0} req/s   routed {:>9.0} req/s   ratio {:.2}",
-        pct(&direct_all, 0.5),
-        pct(&routed_all, 0.5),
-        pct(&ratios, 0.5)
-    );
+    let mut line = "    median: ".to_string();
+    for (m, mode) in modes.iter().enumerate() {
+        line.push_str(&format!("  {} {:>7.0}", mode.name(), pct(&rates[m], 0.5)));
+        if m > 0 {
+            line.push_str(&format!(" (ratio {:.2})", pct(&ratios[m], 0.5)));
+        }
+    }
+    println!("{line}");
     if let Some(t) = &telemetry_guard {
         t.force_flush();
         println!(

@@ -241,6 +241,13 @@ async fn one_trace_links_client_router_and_engine() {
         "request_bytes {request_bytes}"
     );
     assert_eq!(int_attr(route, "status"), 200);
+    // The key region is the canonical text of the first user message ("user\n{content}\n",
+    // under the prefix length), cut into 64-byte blocks.
+    let canonical = format!("user\n{content}\n");
+    assert_eq!(
+        int_attr(route, "prefix_blocks"),
+        canonical.len().div_ceil(64) as i64
+    );
 
     // The upstream call and the engine's work.
     assert_eq!(str_attr(upstream, "instance"), fleet.engine_url);
