@@ -27,7 +27,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Sleep;
 use tracing::field::Empty;
 use tracing::Span;
 
@@ -193,7 +193,9 @@ impl Router {
         upstream_path: PathAndQuery,
         span: &Span,
     ) -> Response<ResponseBody> {
-        let deadline = Instant::now() + self.request_timeout;
+        // One timer for the whole request (body read, upstream call, response stream): one
+        // registration with the runtime's timer wheel instead of one per phase.
+        let mut deadline = Box::pin(tokio::time::sleep(self.request_timeout));
         let Some(table) = self.table.load_full() else {
             return self.unrouted(
                 None,
@@ -226,13 +228,13 @@ impl Router {
         if declared.is_some_and(|len| len > self.max_body_bytes as u64) {
             return self.too_large(&table);
         }
-        let body = match tokio::time::timeout_at(
-            deadline,
-            Limited::new(body, self.max_body_bytes).collect(),
-        )
-        .await
-        {
-            Err(_) => {
+        let read = tokio::select! {
+            biased;
+            read = Limited::new(body, self.max_body_bytes).collect() => Ok(read),
+            () = deadline.as_mut() => Err(()),
+        };
+        let body = match read {
+            Err(()) => {
                 return self.unrouted(
                     Some(&table),
                     504,
@@ -301,7 +303,7 @@ impl Router {
         body: Bytes,
         mut in_flight: InFlight,
         upstream_path: &PathAndQuery,
-        deadline: Instant,
+        mut deadline: Pin<Box<Sleep>>,
         span: &Span,
     ) -> Response<ResponseBody> {
         let variant = route.variant;
@@ -333,24 +335,27 @@ impl Router {
                 telemetry::propagation::inject_headers(&upstream, request.headers_mut());
                 std::time::Instant::now()
             });
-            let failure =
-                match tokio::time::timeout_at(deadline, self.client.request(request)).await {
-                    Err(_) => {
-                        let msg = format!(
-                            "no response from {} within the request timeout",
-                            instance.address()
-                        );
-                        record_failure(&upstream, "timeout");
-                        return self.routed_error(table, &route, 504, &msg, "timeout_error");
-                    }
-                    Ok(Ok(response)) if !response.status().is_server_error() => {
-                        instance.state().record_success();
-                        let trace = BodyTrace::start(span, upstream, sent, response.status());
-                        return self.respond(table, &route, response, in_flight, deadline, trace);
-                    }
-                    Ok(Ok(response)) => Err(response),
-                    Ok(Err(e)) => Ok(e),
-                };
+            let failure = match tokio::select! {
+                biased;
+                sent = self.client.request(request) => Ok(sent),
+                () = deadline.as_mut() => Err(()),
+            } {
+                Err(_) => {
+                    let msg = format!(
+                        "no response from {} within the request timeout",
+                        instance.address()
+                    );
+                    record_failure(&upstream, "timeout");
+                    return self.routed_error(table, &route, 504, &msg, "timeout_error");
+                }
+                Ok(Ok(response)) if !response.status().is_server_error() => {
+                    instance.state().record_success();
+                    let trace = BodyTrace::start(span, upstream, sent, response.status());
+                    return self.respond(table, &route, response, in_flight, deadline, trace);
+                }
+                Ok(Ok(response)) => Err(response),
+                Ok(Err(e)) => Ok(e),
+            };
             if let Some(length) = instance.state().record_failure(now_ms()) {
                 self.metrics.ejections.fetch_add(1, Relaxed);
                 tracing::warn!(
@@ -405,7 +410,7 @@ impl Router {
         route: &Route<'_>,
         response: Response<Incoming>,
         in_flight: InFlight,
-        deadline: Instant,
+        deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
     ) -> Response<ResponseBody> {
         let (mut parts, body) = response.into_parts();
@@ -731,14 +736,14 @@ impl ResponseBody {
     fn upstream(
         body: Incoming,
         in_flight: InFlight,
-        deadline: Instant,
+        deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
     ) -> Self {
         ResponseBody {
             kind: Inner::Upstream {
                 body,
                 in_flight: Some(in_flight),
-                deadline: Box::pin(tokio::time::sleep_until(deadline)),
+                deadline,
                 trace,
             },
         }
