@@ -237,7 +237,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         &[Mode::Direct, Mode::Routed]
     };
-    let requests: usize = env("REQUESTS", 4000);
+    let requests: usize = env("REQUESTS", 10_000);
     let seconds: f64 = env("SECONDS", 3.0);
     let rounds: usize = env("ROUNDS", 5).max(1);
     let strategy_name: String = env("STRATEGY", "PREFIX_AWARE".to_string());

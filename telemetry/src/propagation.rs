@@ -26,12 +26,19 @@ impl Extractor for HeaderExtractor<'_> {
 /// Writes into a header map as a propagation carrier (replacing what was there).
 pub struct HeaderInjector<'a>(pub &'a mut HeaderMap);
 
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+
 impl Injector for HeaderInjector<'_> {
+    /// The W3C names are constants and the value's buffer is reused: nothing is copied for the
+    /// `traceparent` of every traced upstream request.
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(key.as_bytes()),
-            HeaderValue::from_str(&value),
-        ) {
+        let name = match key {
+            "traceparent" => Ok(TRACEPARENT),
+            "tracestate" => Ok(TRACESTATE),
+            other => HeaderName::from_bytes(other.as_bytes()),
+        };
+        if let (Ok(name), Ok(value)) = (name, HeaderValue::try_from(value)) {
             self.0.insert(name, value);
         }
     }
