@@ -226,14 +226,13 @@ impl TextKey {
 /// Characters in UTF-8 bytes: the bytes that are not continuation bytes (`0b10xx_xxxx`), counted
 /// eight at a time.
 fn count_chars(bytes: &[u8]) -> usize {
-    const HIGH: u64 = 0x8080_8080_8080_8080;
     let mut continuation = 0usize;
     let mut words = bytes.chunks_exact(8);
     let mut lanes = 0u64; // one counter per byte lane, flushed before it can overflow
     let mut pending = 0;
     for word in &mut words {
         let x = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-        lanes += (x & !(x << 1) & HIGH) >> 7;
+        lanes += continuation_bits(x) >> 7;
         pending += 1;
         if pending == 255 {
             continuation += sum_lanes(lanes);
@@ -250,6 +249,14 @@ fn count_chars(bytes: &[u8]) -> usize {
     bytes.len() - continuation
 }
 
+/// Bit 7 of each byte lane of `x` (eight bytes, little-endian) set where that byte is a UTF-8
+/// continuation byte (`0b10xx_xxxx`).
+#[inline]
+fn continuation_bits(x: u64) -> u64 {
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    x & !(x << 1) & HIGH
+}
+
 /// Sum of the eight byte lanes of `x`.
 fn sum_lanes(x: u64) -> usize {
     const LOW_BYTES: u64 = 0x00FF_00FF_00FF_00FF;
@@ -259,13 +266,12 @@ fn sum_lanes(x: u64) -> usize {
 
 /// Byte length and character count of the first `limit` characters of `bytes`.
 fn cut_chars(bytes: &[u8], limit: usize) -> (usize, usize) {
-    const HIGH: u64 = 0x8080_8080_8080_8080;
     let mut chars = 0;
     // Eight bytes at a time while the whole word fits the budget, then byte by byte.
     let mut start = 0;
     for word in bytes.chunks_exact(8) {
         let x = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-        let in_word = 8 - ((x & !(x << 1) & HIGH).count_ones() as usize);
+        let in_word = 8 - continuation_bits(x).count_ones() as usize;
         if chars + in_word > limit {
             break;
         }
