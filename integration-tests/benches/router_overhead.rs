@@ -4,8 +4,9 @@
 //! Run: `cargo bench -p integration-tests --bench router_overhead` (env `REQUESTS`, `STRATEGY`
 //! = RANDOM | LEAST_OUTSTANDING_REQUESTS | PREFIX_AWARE, `ROUNDS` x `SECONDS` for the throughput
 //! phase;
-//! `OTLP=1` exports every span, 100% sampled, to an in-process OTLP collector that counts them,
-//! to compare the added latency with tracing on against a run with it off).
+//! `OTLP=1` also routes with trace export on, every span 100% sampled and exported to an
+//! in-process OTLP collector that decodes and counts them, alternating with export off in the
+//! same run, to show what tracing adds).
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
