@@ -6,6 +6,10 @@
 
 use std::hint::black_box;
 
+#[path = "fixtures/content_first.rs"]
+mod content_first;
+use content_first::chat_body_32k_content_first;
+
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use data_plane::load::InFlight;
 use data_plane::placement::{Placement, RouteRequest};
@@ -80,25 +84,6 @@ fn chat_body_32k() -> Vec<u8> {
         ));
         turn += 1;
     }
-}
-
-/// A 32 KiB chat as serializers with sorted keys send it (serde_json without `preserve_order`,
-/// Go's maps): `content` BEFORE `role`, so the whole 31 KiB user message is skipped to learn its
-/// role. The shape of the `router_overhead` benchmark's body.
-fn chat_body_32k_content_first() -> Vec<u8> {
-    let system = "You are a helpful assistant. ".repeat(40);
-    let mut user = String::new();
-    let mut i = 0u64;
-    while system.len() + user.len() < 32 * 1024 - 200 {
-        user.push_str(&format!("word{} ", i.wrapping_mul(2654435761) % 100_000));
-        i += 1;
-    }
-    serde_json::to_vec(&serde_json::json!({
-        "model": "bench",
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        "max_tokens": 1
-    }))
-    .unwrap()
 }
 
 fn decision(c: &mut Criterion) {

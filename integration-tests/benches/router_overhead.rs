@@ -40,6 +40,10 @@ use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::Layer as _;
 
+// The body the data plane's `decision` bench measures too.
+#[path = "../../data-plane/benches/fixtures/content_first.rs"]
+mod content_first;
+
 // The allocator the data-plane binary uses (both paths, direct and routed, run with it).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -102,22 +106,6 @@ async fn backend() -> anyhow::Result<String> {
         }
     });
     Ok(url)
-}
-
-fn chat_body() -> Bytes {
-    let system = "You are a helpful assistant. ".repeat(40);
-    let mut user = String::new();
-    let mut i = 0u64;
-    while system.len() + user.len() < 32 * 1024 - 200 {
-        user.push_str(&format!("word{} ", i.wrapping_mul(2654435761) % 100_000));
-        i += 1;
-    }
-    let body = serde_json::json!({
-        "model": "bench",
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        "max_tokens": 1
-    });
-    Bytes::from(serde_json::to_vec(&body).unwrap())
 }
 
 async fn one(client: &HttpClient, uri: &http::Uri, body: &Bytes) -> anyhow::Result<()> {
@@ -295,7 +283,7 @@ async fn main() -> anyhow::Result<()> {
         std::future::pending(),
     ));
 
-    let body = chat_body();
+    let body = Bytes::from(content_first::chat_body_32k_content_first());
     let direct: http::Uri = format!("{backend_url}/v1/chat/completions").parse()?;
     let routed: http::Uri = format!("{dp_url}/v1/chat/completions").parse()?;
     let c = client(1);
