@@ -51,6 +51,11 @@ pub struct Config {
     #[arg(long, default_value_t = 30_000)]
     pub shutdown_grace_ms: u64,
 
+    /// Threads that serve connections, each with its own single-threaded runtime that keeps a
+    /// connection (and its upstream connections) for its whole life; 0: one per CPU.
+    #[arg(long, default_value_t = 0)]
+    pub workers: usize,
+
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
@@ -63,6 +68,14 @@ impl Default for Config {
 }
 
 impl Config {
+    /// `--workers`, with 0 resolved to the number of CPUs this process may use.
+    pub fn resolved_workers(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
     }
@@ -99,15 +112,23 @@ mod tests {
         assert_eq!(c.prefix_index_capacity, 100_000);
         assert_eq!(c.hash_balance_factor, 150);
         assert!(!c.resolved_node_id().is_empty());
+        // one worker thread per CPU unless told
+        assert_eq!(
+            c.resolved_workers(),
+            std::thread::available_parallelism().unwrap().get()
+        );
         let c = Config::parse_from([
             "data-plane",
             "--node-id",
             "n1",
             "--hash-balance-factor",
             "200",
+            "--workers",
+            "3",
         ]);
         assert_eq!(c.resolved_node_id(), "n1");
         assert_eq!(c.hash_balance_factor, 200);
+        assert_eq!(c.resolved_workers(), 3);
         assert!(Config::try_parse_from(["data-plane", "--hash-balance-factor", "99"]).is_err());
     }
 }

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::upstream::Pool;
+
 /// Consecutive failures (connect errors, 5xx) after which an instance is ejected.
 pub const EJECT_AFTER_FAILURES: u32 = 3;
 /// First ejection length; each further ejection without a success in between doubles it.
@@ -27,9 +29,15 @@ pub struct InstanceState {
     failures: AtomicU32,
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
+    /// Idle keep-alive connections to the instance.
+    pool: Pool,
 }
 
 impl InstanceState {
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
     /// Requests sent to the instance whose response body has not ended yet.
     pub fn outstanding(&self) -> u64 {
         self.outstanding.load(Relaxed)
@@ -86,6 +94,11 @@ pub struct InFlight {
 }
 
 impl InFlight {
+    /// The instance the request is on.
+    pub fn instance(&self) -> &Arc<InstanceState> {
+        &self.instance
+    }
+
     pub fn start(instance: &Arc<InstanceState>, variant: &Arc<VariantLoad>) -> Self {
         instance.outstanding.fetch_add(1, Relaxed);
         variant.outstanding.fetch_add(1, Relaxed);

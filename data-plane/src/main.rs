@@ -12,7 +12,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::Parser;
 use data_plane::Config;
 
-#[tokio::main]
+// This runtime only watches the control plane and waits for a signal: connections are served by
+// `serve`'s worker threads.
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let config = Config::parse();
     let _telemetry = config.telemetry.init("data-plane");

@@ -24,9 +24,6 @@ use http::{Method, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::Sleep;
 use tracing::field::Empty;
 use tracing::Span;
@@ -37,6 +34,7 @@ use crate::metrics::Metrics;
 use crate::placement::{Placement, Route, RouteRequest};
 use crate::prompt::BodyKind;
 use crate::table::RoutingTable;
+use crate::upstream::{self, Conn, UpstreamBody};
 
 pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
 pub const X_TARGET_VARIANT: HeaderName = HeaderName::from_static("x-target-variant");
@@ -46,31 +44,18 @@ pub const X_VARIANT: HeaderName = HeaderName::from_static("x-prefix-router-varia
 pub const X_TABLE_VERSION: HeaderName = HeaderName::from_static("x-prefix-router-table-version");
 pub const X_DECISION: HeaderName = HeaderName::from_static("x-prefix-router-decision");
 
-/// Connect timeout towards instances (a black-holed instance fails over within it).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
-type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
-
-/// Shared router state: the current table, placement policy, upstream connection pool, metrics.
+/// Shared router state: the current table, placement policy, metrics. (Upstream connections are
+/// kept per instance, in its state: see [`upstream`].)
 pub(crate) struct Router {
     pub(crate) table: ArcSwapOption<RoutingTable>,
     pub(crate) placement: Placement,
     pub(crate) metrics: Metrics,
-    client: UpstreamClient,
     max_body_bytes: usize,
     request_timeout: Duration,
 }
 
 impl Router {
     pub(crate) fn new(config: &Config) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(1024)
-            .build(connector);
         Router {
             table: ArcSwapOption::empty(),
             placement: Placement::new(
@@ -79,7 +64,6 @@ impl Router {
                 config.default_endpoint.clone(),
             ),
             metrics: Metrics::default(),
-            client,
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),
         }
@@ -310,8 +294,8 @@ impl Router {
         let mut retried = false;
         loop {
             let instance = &variant.instances()[route.instance];
-            let mut request = match upstream_request(parts, instance.uri(upstream_path), &body) {
-                Ok(r) => r,
+            let target = match instance.target(upstream_path) {
+                Ok(t) => t,
                 Err(e) => {
                     let msg = format!(
                         "cannot build the upstream request for {}: {e}",
@@ -331,13 +315,24 @@ impl Router {
                 error = Empty,
                 otel.status_code = Empty,
             );
-            let sent = (!upstream.is_disabled()).then(|| {
-                telemetry::propagation::inject_headers(&upstream, request.headers_mut());
-                std::time::Instant::now()
-            });
+            let traced = !upstream.is_disabled();
+            let make = || {
+                let mut request = upstream_request(parts, &target, instance.host(), &body);
+                if traced {
+                    telemetry::propagation::inject_headers(&upstream, request.headers_mut());
+                }
+                request
+            };
+            let sent = traced.then(std::time::Instant::now);
+            let exchange = upstream::send(
+                instance.state().pool(),
+                instance.authority(),
+                now_ms(),
+                make,
+            );
             let failure = match tokio::select! {
                 biased;
-                sent = self.client.request(request) => Ok(sent),
+                sent = exchange => Ok(sent),
                 () = deadline.as_mut() => Err(()),
             } {
                 Err(_) => {
@@ -348,12 +343,12 @@ impl Router {
                     record_failure(&upstream, "timeout");
                     return self.routed_error(table, &route, 504, &msg, "timeout_error");
                 }
-                Ok(Ok(response)) if !response.status().is_server_error() => {
+                Ok(Ok((response, conn))) if !response.status().is_server_error() => {
                     instance.state().record_success();
                     let trace = BodyTrace::start(span, upstream, sent, response.status());
-                    return self.respond(table, &route, response, in_flight, deadline, trace);
+                    return self.respond(table, &route, response, conn, in_flight, deadline, trace);
                 }
-                Ok(Ok(response)) => Err(response),
+                Ok(Ok(exchange)) => Err(exchange),
                 Ok(Err(e)) => Ok(e),
             };
             if let Some(length) = instance.state().record_failure(now_ms()) {
@@ -376,7 +371,9 @@ impl Router {
                     route.decision = decision;
                     if !span.is_disabled() {
                         match &failure {
-                            Err(response) => record_failure(&upstream, response.status().as_str()),
+                            Err((response, _)) => {
+                                record_failure(&upstream, response.status().as_str())
+                            }
                             Ok(e) => record_failure(&upstream, &error_chain(e)),
                         }
                         record_route(span, table, &route, body.len());
@@ -385,9 +382,9 @@ impl Router {
                 }
             }
             return match failure {
-                Err(response) => {
+                Err((response, conn)) => {
                     let trace = BodyTrace::start(span, upstream, sent, response.status());
-                    self.respond(table, &route, response, in_flight, deadline, trace)
+                    self.respond(table, &route, response, conn, in_flight, deadline, trace)
                 }
                 Ok(e) => {
                     let msg = format!(
@@ -404,11 +401,13 @@ impl Router {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn respond(
         &self,
         table: &RoutingTable,
         route: &Route<'_>,
         response: Response<Incoming>,
+        conn: Box<Conn>,
         in_flight: InFlight,
         deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
@@ -422,7 +421,7 @@ impl Router {
         set_route_headers(&mut parts.headers, table, route);
         Response::from_parts(
             parts,
-            ResponseBody::upstream(body, in_flight, deadline, trace),
+            ResponseBody::upstream(body, conn, in_flight, deadline, trace),
         )
     }
 
@@ -649,16 +648,20 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// The request to an instance: the client's method and end-to-end headers, `target` (origin
+/// form), the instance's `Host`, and the body.
 fn upstream_request(
     parts: &http::request::Parts,
-    uri: Result<http::Uri, http::Error>,
+    target: &http::Uri,
+    host: &HeaderValue,
     body: &Bytes,
-) -> Result<Request<Full<Bytes>>, http::Error> {
+) -> Request<UpstreamBody> {
     let mut req = Request::new(Full::new(body.clone()));
     *req.method_mut() = parts.method.clone();
-    *req.uri_mut() = uri?;
+    *req.uri_mut() = target.clone();
     let headers = req.headers_mut();
-    headers.reserve(parts.headers.len());
+    headers.reserve(parts.headers.len() + 1);
+    headers.insert(header::HOST, host.clone());
     for (name, value) in &parts.headers {
         if HOP_BY_HOP.contains(name)
             || name == header::HOST
@@ -670,7 +673,7 @@ fn upstream_request(
         }
         headers.append(name.clone(), value.clone());
     }
-    Ok(req)
+    req
 }
 
 /// An error and its sources, `: `-separated.
@@ -720,6 +723,9 @@ enum Inner {
     Full(Option<Bytes>),
     Upstream {
         body: Incoming,
+        /// The connection the body comes over: polled here, given back to the instance's pool
+        /// when the body has ended (dropped, which closes it, otherwise).
+        conn: Option<Box<Conn>>,
         in_flight: Option<InFlight>,
         deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
@@ -735,6 +741,7 @@ impl ResponseBody {
 
     fn upstream(
         body: Incoming,
+        conn: Box<Conn>,
         in_flight: InFlight,
         deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
@@ -742,6 +749,7 @@ impl ResponseBody {
         ResponseBody {
             kind: Inner::Upstream {
                 body,
+                conn: Some(conn),
                 in_flight: Some(in_flight),
                 deadline,
                 trace,
@@ -762,12 +770,17 @@ impl Body for ResponseBody {
             Inner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             Inner::Upstream {
                 body,
+                conn,
                 in_flight,
                 deadline,
                 trace,
             } => {
                 if in_flight.is_none() {
                     return Poll::Ready(None);
+                }
+                // The connection reads the body (into `body`'s channel).
+                if let Some(c) = conn.as_mut() {
+                    c.poll_drive(cx);
                 }
                 if deadline.is_elapsed() {
                     in_flight.take();
@@ -789,6 +802,7 @@ impl Body for ResponseBody {
                         Poll::Ready(Some(Err(e.into())))
                     }
                     Poll::Ready(None) => {
+                        release(conn, in_flight);
                         in_flight.take();
                         end_trace(trace, None);
                         Poll::Ready(None)
@@ -821,6 +835,31 @@ impl Body for ResponseBody {
             Inner::Full(None) => SizeHint::with_exact(0),
             Inner::Upstream { body, .. } => body.size_hint(),
         }
+    }
+}
+
+impl Drop for ResponseBody {
+    /// An upstream body that ended without being polled to its end (an empty body: the server
+    /// does not poll it) still gives its connection back.
+    fn drop(&mut self) {
+        if let Inner::Upstream {
+            body,
+            conn,
+            in_flight,
+            ..
+        } = &mut self.kind
+        {
+            if conn.is_some() && body.is_end_stream() {
+                release(conn, in_flight);
+            }
+        }
+    }
+}
+
+/// Gives an upstream connection whose response body has ended back to its instance's pool.
+fn release(conn: &mut Option<Box<Conn>>, in_flight: &Option<InFlight>) {
+    if let (Some(c), Some(f)) = (conn.take(), in_flight) {
+        f.instance().pool().put(c, now_ms());
     }
 }
 

@@ -118,8 +118,9 @@ pub struct Instance {
     id: Arc<str>,
     address: Arc<str>,
     id_hash: u64,
-    scheme: Scheme,
     authority: Authority,
+    /// `Host` header value (the authority).
+    host: HeaderValue,
     /// Path prefix of the address ("" for `http://host:port`).
     base_path: Arc<str>,
     header: HeaderValue,
@@ -149,11 +150,19 @@ impl Instance {
         &self.header
     }
 
-    /// The upstream URI for a request path (with query).
-    pub fn uri(&self, path_and_query: &PathAndQuery) -> Result<http::Uri, http::Error> {
+    /// Host and port to connect to.
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+    /// Value of the `Host` header sent to the instance.
+    pub fn host(&self) -> &HeaderValue {
+        &self.host
+    }
+
+    /// The upstream request target for a request path (with query), in origin form: the
+    /// address's base path, then the path.
+    pub fn target(&self, path_and_query: &PathAndQuery) -> Result<http::Uri, http::Error> {
         let mut parts = http::uri::Parts::default();
-        parts.scheme = Some(self.scheme.clone());
-        parts.authority = Some(self.authority.clone());
         parts.path_and_query = Some(if self.base_path.is_empty() {
             path_and_query.clone()
         } else {
@@ -374,8 +383,8 @@ impl RoutingTable {
                             id: p.id.clone(),
                             address: p.address.clone(),
                             id_hash: p.id_hash,
-                            scheme: p.scheme.clone(),
                             authority: p.authority.clone(),
+                            host: p.host.clone(),
                             base_path: p.base_path.clone(),
                             header: p.header.clone(),
                             state,
@@ -392,7 +401,7 @@ impl RoutingTable {
                                     reason,
                                 }
                             };
-                            let (scheme, authority, base_path) =
+                            let (authority, base_path) =
                                 parse_address(&inst.address).map_err(bad_url)?;
                             Instance {
                                 id: id.into(),
@@ -400,7 +409,8 @@ impl RoutingTable {
                                 header: HeaderValue::from_str(address)
                                     .map_err(|e| bad_url(e.to_string()))?,
                                 address: address.into(),
-                                scheme,
+                                host: HeaderValue::from_str(authority.as_str())
+                                    .map_err(|e| bad_url(e.to_string()))?,
                                 authority,
                                 base_path,
                                 state,
@@ -521,8 +531,9 @@ fn strategy(
     })
 }
 
-/// `http://host:port[/base]` -> parts. Only plain HTTP: the router has no TLS client.
-fn parse_address(address: &str) -> Result<(Scheme, Authority, Arc<str>), String> {
+/// `http://host:port[/base]` -> authority and base path. Only plain HTTP: the router has no TLS
+/// client.
+fn parse_address(address: &str) -> Result<(Authority, Arc<str>), String> {
     let uri: http::Uri = address
         .parse()
         .map_err(|e: http::uri::InvalidUri| e.to_string())?;
@@ -544,7 +555,7 @@ fn parse_address(address: &str) -> Result<(Scheme, Authority, Arc<str>), String>
         Some(pq) => pq.path().trim_end_matches('/'),
         None => "",
     };
-    Ok((Scheme::HTTP, authority, base.into()))
+    Ok((authority, base.into()))
 }
 
 #[cfg(test)]
@@ -629,13 +640,15 @@ pub(crate) mod tests {
         assert_eq!(v.instances()[0].address(), "http://a:1");
         let pq = PathAndQuery::from_static("/v1/completions?x=1");
         assert_eq!(
-            v.instances()[1].uri(&pq).unwrap().to_string(),
-            "http://b:2/base/v1/completions?x=1"
+            v.instances()[1].target(&pq).unwrap().to_string(),
+            "/base/v1/completions?x=1"
         );
+        assert_eq!(v.instances()[1].host(), "b:2");
         assert_eq!(
-            v.instances()[0].uri(&pq).unwrap().to_string(),
-            "http://a:1/v1/completions?x=1"
+            v.instances()[0].target(&pq).unwrap().to_string(),
+            "/v1/completions?x=1"
         );
+        assert_eq!(v.instances()[0].authority().as_str(), "a:1");
 
         let mut wire = table(
             3,

@@ -914,3 +914,126 @@ async fn shutdown_drains_in_flight_requests() {
         .unwrap()
         .unwrap();
 }
+
+/// A raw HTTP/1.1 model server: answers each request with a keep-alive 200 and then, if
+/// `close_after_reply`, closes the connection without saying so (as a server whose keep-alive
+/// timeout ran out does). Returns its URL and the count of connections it accepted.
+async fn raw_backend(close_after_reply: bool) -> (String, Arc<AtomicU64>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let accepted = Arc::new(AtomicU64::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            count.fetch_add(1, SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request: the head, then content-length bytes of body.
+                    let mut chunk = [0u8; 4096];
+                    let (head_end, length) = loop {
+                        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                            let length: usize = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .map_or(0, |v| v.trim().parse().unwrap());
+                            break (end + 4, length);
+                        }
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    while buf.len() < head_end + length {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + length);
+                    let body = r#"{"ok":true}"#;
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if stream.write_all(reply.as_bytes()).await.is_err() || close_after_reply {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, accepted)
+}
+
+#[tokio::test]
+async fn upstream_connections_are_reused_and_replaced_once_the_server_closes_them() {
+    let cp = MockControlPlane::start().await;
+    let (keep_url, keep_conns) = raw_backend(false).await;
+    let (close_url, close_conns) = raw_backend(true).await;
+    cp.push(table(
+        1,
+        vec![
+            endpoint(
+                "keep",
+                vec![variant(
+                    "v1",
+                    strategy(RoutingStrategy::Random),
+                    &[&keep_url],
+                )],
+            ),
+            endpoint(
+                "close",
+                vec![variant(
+                    "v1",
+                    strategy(RoutingStrategy::Random),
+                    &[&close_url],
+                )],
+            ),
+        ],
+    ));
+    // One worker thread: idle connections are kept per worker.
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        node_id: Some("r".into()),
+        workers: 1,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/completions");
+
+    // keep-alive: one connection carries every request
+    for i in 0..10 {
+        let r = post(
+            &url,
+            &[("x-endpoint-name", "keep")],
+            format!(r#"{{"prompt":"{i}"}}"#),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(keep_conns.load(SeqCst), 1);
+
+    // closed after each reply: each request gets a new connection, and the closed one is neither
+    // an error for the client nor a failure of the instance
+    for i in 0..10 {
+        let r = post(
+            &url,
+            &[("x-endpoint-name", "close")],
+            format!(r#"{{"prompt":"{i}"}}"#),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        if i % 3 == 0 {
+            // and when the close has long arrived before the next request
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(close_conns.load(SeqCst), 10);
+    let m = router.metrics().await;
+    assert!(m.contains("prefix_router_retries_total 0\n"), "{m}");
+    assert!(m.contains("prefix_router_ejections_total 0\n"), "{m}");
+}

@@ -127,11 +127,29 @@ fn client(max_idle: usize) -> HttpClient {
         .build(c)
 }
 
+/// CPU time of this whole process (client, router and backend), in µs.
+fn process_cpu_us() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to; the clock id is a constant.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 * 1e6 + ts.tv_nsec as f64 / 1e3
+}
+
 fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-async fn throughput(target: &http::Uri, body: &Bytes, connections: usize, seconds: f64) -> f64 {
+/// Requests per second over `seconds` with `connections` connections, and the process CPU time
+/// per request (µs).
+async fn throughput(
+    target: &http::Uri,
+    body: &Bytes,
+    connections: usize,
+    seconds: f64,
+) -> (f64, f64) {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -147,14 +165,16 @@ async fn throughput(target: &http::Uri, body: &Bytes, connections: usize, second
         }));
     }
     let start = Instant::now();
+    let cpu = process_cpu_us();
     tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
     stop.store(true, Ordering::Relaxed);
     let n = done.load(Ordering::Relaxed);
+    let cpu = process_cpu_us() - cpu;
     let elapsed = start.elapsed().as_secs_f64();
     for t in tasks {
         let _ = t.await;
     }
-    n as f64 / elapsed
+    (n as f64 / elapsed, cpu / n.max(1) as f64)
 }
 
 /// An OTLP trace collector that only counts the spans it receives.
@@ -277,6 +297,8 @@ async fn main() -> anyhow::Result<()> {
         "--node-id",
         "bench",
     ])?;
+    // The router serves on worker threads of its own, as the binary does (`--workers`, one per
+    // CPU by default); the client and the backend share this runtime.
     tokio::spawn(data_plane::serve(
         dp_listener,
         config,
@@ -315,6 +337,9 @@ async fn main() -> anyhow::Result<()> {
     // Phase 1: one connection per target, interleaved blocks of 50 requests.
     let clients: Vec<HttpClient> = modes.iter().map(|_| client(1)).collect();
     let mut latencies: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(requests)).collect();
+    // Process CPU time spent in each mode's blocks: the client and backend do the same work in
+    // every mode, so the difference is what the router costs in CPU per request.
+    let mut cpu_us = vec![0f64; modes.len()];
     for _ in 0..200 {
         for (m, &mode) in modes.iter().enumerate() {
             one(&clients[m], target(mode), &body).await?;
@@ -323,11 +348,13 @@ async fn main() -> anyhow::Result<()> {
     while latencies[0].len() < requests {
         for (m, &mode) in modes.iter().enumerate() {
             let uri = target(mode);
+            let cpu = process_cpu_us();
             for _ in 0..50 {
                 let t = Instant::now();
                 one(&clients[m], uri, &body).await?;
                 latencies[m].push(t.elapsed().as_secs_f64() * 1e6);
             }
+            cpu_us[m] += process_cpu_us() - cpu;
         }
     }
     for l in &mut latencies {
@@ -351,6 +378,15 @@ async fn main() -> anyhow::Result<()> {
             pct(&latencies[m], 0.99) - pct(d, 0.99)
         );
     }
+    let per_request = |m: usize| cpu_us[m] / latencies[m].len() as f64;
+    let mut line = "    CPU per request (whole process):".to_string();
+    for (m, mode) in modes.iter().enumerate() {
+        line.push_str(&format!("  {} {:.1}", mode.name(), per_request(m)));
+        if m > 0 {
+            line.push_str(&format!(" (+{:.1})", per_request(m) - per_request(0)));
+        }
+    }
+    println!("{line}");
     if modes.len() == 3 {
         println!(
             "    export on minus off: p50 {:>+7.1}  p99 {:>+7.1}",
@@ -363,17 +399,23 @@ async fn main() -> anyhow::Result<()> {
     println!("  32 connections, {rounds} rounds of {seconds} s each target (req/s):");
     let mut rates: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(rounds)).collect();
     let mut ratios: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(rounds)).collect();
+    let mut cpus: Vec<Vec<f64>> = modes.iter().map(|_| Vec::with_capacity(rounds)).collect();
     for round in 1..=rounds {
         let mut line = format!("    round {round}:");
         for (m, &mode) in modes.iter().enumerate() {
-            let rps = throughput(target(mode), &body, 32, seconds).await;
+            let (rps, cpu) = throughput(target(mode), &body, 32, seconds).await;
             rates[m].push(rps);
+            cpus[m].push(cpu);
             ratios[m].push(rps / rates[0][round - 1]);
             line.push_str(&format!("  {} {rps:>7.0}", mode.name()));
         }
         println!("{line}");
     }
-    for v in rates.iter_mut().chain(ratios.iter_mut()) {
+    for v in rates
+        .iter_mut()
+        .chain(ratios.iter_mut())
+        .chain(cpus.iter_mut())
+    {
         v.sort_by(f64::total_cmp);
     }
     let mut line = "    median: ".to_string();
@@ -381,6 +423,15 @@ async fn main() -> anyhow::Result<()> {
         line.push_str(&format!("  {} {:>7.0}", mode.name(), pct(&rates[m], 0.5)));
         if m > 0 {
             line.push_str(&format!(" (ratio {:.2})", pct(&ratios[m], 0.5)));
+        }
+    }
+    println!("{line}");
+    let mut line = "    CPU per request (whole process, median):".to_string();
+    for (m, mode) in modes.iter().enumerate() {
+        let cpu = pct(&cpus[m], 0.5);
+        line.push_str(&format!("  {} {cpu:.1}", mode.name()));
+        if m > 0 {
+            line.push_str(&format!(" (+{:.1})", cpu - pct(&cpus[0], 0.5)));
         }
     }
     println!("{line}");

@@ -1,0 +1,346 @@
+//! Keep-alive HTTP/1.1 connections to instances, driven by the request's own task.
+//!
+//! A general client (hyper-util's legacy `Client`) runs every connection as a task of its own:
+//! the request goes to it through a channel and the response comes back through another, two
+//! task wake-ups per request, plus its pool's bookkeeping (a hashed key per checkout, a lazy
+//! connect future, an extension map per response). The router needs much less: plain HTTP to
+//! addresses it already knows, one request at a time per connection. So each instance keeps its
+//! idle connections (in its [`InstanceState`](crate::load::InstanceState), so they outlive a
+//! table swap), and a request checks one out and polls it itself, first until the response
+//! head arrives ([`send`]), then while its response body streams ([`Conn::poll_drive`]); at the
+//! end of the body the connection goes back ([`Pool::put`]). A connection whose response body
+//! did not end (client gone, timeout, a 5xx that was retried) is dropped, which closes it.
+//!
+//! An idle connection is not polled, so a close by the server is seen at the next checkout:
+//! [`send`] first drives the connection until it can take a request, and a connection that
+//! turns out closed before the request was written is replaced by a new one without counting a
+//! failure. A reused connection that the server closed while the request was on its way (the
+//! keep-alive race) is also retried once on a new connection: nothing was answered yet.
+
+use std::future::Future as _;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::Authority;
+use http::{Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, Connection, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+/// The body of a forwarded request: the request body, read whole (it decides the placement).
+pub(crate) type UpstreamBody = Full<Bytes>;
+
+/// Connect timeout towards instances (a black-holed instance fails over within it).
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Idle connections kept per instance; more are closed when they come back.
+pub(crate) const MAX_IDLE: usize = 1024;
+/// An idle connection older than this is closed rather than reused (servers drop idle
+/// keep-alive connections after a while; uvicorn after 5 s, nginx after 75 s).
+pub(crate) const IDLE_TIMEOUT_MS: u64 = 60_000;
+
+/// Why an upstream exchange failed (before any response head).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum UpstreamError {
+    #[error("connect to {authority} failed: {source}")]
+    Connect {
+        authority: Authority,
+        source: std::io::Error,
+    },
+    #[error("connect to {authority} timed out after {}s", CONNECT_TIMEOUT.as_secs())]
+    ConnectTimeout { authority: Authority },
+    #[error(transparent)]
+    Http(#[from] hyper::Error),
+}
+
+/// One keep-alive connection to an instance.
+pub(crate) struct Conn {
+    authority: Authority,
+    /// The worker thread whose runtime polls the socket.
+    worker: usize,
+    send: SendRequest<UpstreamBody>,
+    /// `None` once the connection has ended (the server closed it, or it failed).
+    conn: Option<Connection<TokioIo<TcpStream>, UpstreamBody>>,
+    idle_since_ms: u64,
+}
+
+impl Conn {
+    /// Polls the connection (reads and writes whatever it can); `true` while it is open.
+    pub(crate) fn poll_drive(&mut self, cx: &mut Context<'_>) -> bool {
+        if let Some(conn) = &mut self.conn {
+            if Pin::new(conn).poll(cx).is_ready() {
+                self.conn = None;
+            }
+        }
+        self.conn.is_some()
+    }
+
+    /// Drives the connection until it can take a request: `false` if it is closed.
+    async fn ready(&mut self) -> bool {
+        std::future::poll_fn(|cx| {
+            let open = self.poll_drive(cx);
+            match self.send.poll_ready(cx) {
+                Poll::Ready(Ok(())) => Poll::Ready(open),
+                Poll::Ready(Err(_)) => Poll::Ready(false),
+                Poll::Pending if open => Poll::Pending,
+                Poll::Pending => Poll::Ready(false),
+            }
+        })
+        .await
+    }
+
+    /// Sends `req` and drives the connection until the response head (or an error) arrives.
+    async fn exchange(
+        &mut self,
+        req: Request<UpstreamBody>,
+    ) -> Result<Response<Incoming>, hyper::client::conn::TrySendError<Request<UpstreamBody>>> {
+        let mut response = std::pin::pin!(self.send.try_send_request(req));
+        std::future::poll_fn(|cx| {
+            // The connection first: it writes the request and reads the head, then answers.
+            self.poll_drive(cx);
+            response.as_mut().poll(cx)
+        })
+        .await
+    }
+}
+
+/// The idle connections to one instance (most recently used last). Boxed: a connection moves
+/// from here to a response body and back without copying its state.
+pub(crate) struct Pool {
+    #[allow(clippy::vec_box)]
+    idle: Mutex<Vec<Box<Conn>>>,
+    max_idle: usize,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Pool {
+            idle: Mutex::new(Vec::new()),
+            max_idle: MAX_IDLE,
+        }
+    }
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let idle = self.idle.lock().map(|v| v.len()).unwrap_or(0);
+        f.debug_struct("Pool").field("idle", &idle).finish()
+    }
+}
+
+impl Pool {
+    /// The most recently used idle connection of this worker thread to `authority` that is still
+    /// open and fresh (closed and stale ones met on the way are dropped).
+    fn take(&self, authority: &Authority, now_ms: u64) -> Option<Box<Conn>> {
+        let worker = worker();
+        let mut dropped = Vec::new();
+        let found = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            let mut found = None;
+            let mut i = idle.len();
+            while i > 0 {
+                i -= 1;
+                let c = &idle[i];
+                if c.send.is_closed() || now_ms.saturating_sub(c.idle_since_ms) >= IDLE_TIMEOUT_MS {
+                    dropped.push(idle.remove(i));
+                } else if c.worker == worker && c.authority == *authority {
+                    found = Some(idle.remove(i));
+                    break;
+                }
+            }
+            found
+        };
+        // Closed outside the lock.
+        drop(dropped);
+        found
+    }
+
+    /// Gives back a connection whose exchange is over (its response body ended).
+    pub(crate) fn put(&self, mut conn: Box<Conn>, now_ms: u64) {
+        if conn.conn.is_none() || conn.send.is_closed() {
+            return;
+        }
+        conn.idle_since_ms = now_ms;
+        let stale = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            // The oldest connection has waited longest: close it if it timed out, or to make room.
+            let stale = match idle.first() {
+                Some(c)
+                    if idle.len() >= self.max_idle
+                        || now_ms.saturating_sub(c.idle_since_ms) >= IDLE_TIMEOUT_MS =>
+                {
+                    Some(idle.remove(0))
+                }
+                _ => None,
+            };
+            idle.push(conn);
+            stale
+        };
+        // Closed outside the lock.
+        drop(stale);
+    }
+
+    /// Idle connections now.
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> usize {
+        self.idle.lock().map(|v| v.len()).unwrap_or(0)
+    }
+}
+
+/// A new connection (boxed: it moves between the pool and response bodies, and is large).
+async fn connect(authority: &Authority) -> Result<Box<Conn>, UpstreamError> {
+    let port = authority.port_u16().unwrap_or(80);
+    let connecting = TcpStream::connect((authority.host(), port));
+    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(source)) => {
+            return Err(UpstreamError::Connect {
+                authority: authority.clone(),
+                source,
+            })
+        }
+        Err(_) => {
+            return Err(UpstreamError::ConnectTimeout {
+                authority: authority.clone(),
+            })
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let (send, conn) = http1::Builder::new()
+        .handshake(TokioIo::new(stream))
+        .await?;
+    Ok(Box::new(Conn {
+        authority: authority.clone(),
+        worker: worker(),
+        send,
+        conn: Some(conn),
+        idle_since_ms: 0,
+    }))
+}
+
+/// Sends a request (built by `make`, which may be called twice) to `authority` on an idle
+/// connection from `pool` or a new one; returns the response head and the connection, which
+/// the caller drives while it reads the response body and gives back when the body has ended.
+pub(crate) async fn send(
+    pool: &Pool,
+    authority: &Authority,
+    now_ms: u64,
+    make: impl Fn() -> Request<UpstreamBody>,
+) -> Result<(Response<Incoming>, Box<Conn>), UpstreamError> {
+    let mut req = make();
+    // A reused connection that fails before answering gets one more try, on a new connection.
+    let mut reused_failed = false;
+    loop {
+        let pooled = if reused_failed {
+            None
+        } else {
+            pool.take(authority, now_ms)
+        };
+        let (mut conn, reused) = match pooled {
+            Some(c) => (c, true),
+            None => (connect(authority).await?, false),
+        };
+        // (A new connection closed at once is sent on anyway, to get hyper's error for it.)
+        if !conn.ready().await && reused {
+            continue;
+        }
+        match conn.exchange(req).await {
+            Ok(response) => return Ok((response, conn)),
+            Err(mut e) => match e.take_message() {
+                // Never written: the connection was closed before it could take the request.
+                Some(r) if reused => req = r,
+                None if reused && !reused_failed => {
+                    reused_failed = true;
+                    req = make();
+                }
+                _ => return Err(e.into_error().into()),
+            },
+        }
+    }
+}
+
+thread_local! {
+    /// The worker thread this is (see `serve`): idle connections are reused on the thread that
+    /// opened them, whose runtime polls their sockets.
+    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks this thread as worker `n`.
+pub(crate) fn set_worker(n: usize) {
+    WORKER.with(|w| w.set(n));
+}
+
+fn worker() -> usize {
+    WORKER.with(|w| w.get())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener that accepts and holds connections (never answers).
+    async fn listener() -> (Authority, tokio::task::JoinHandle<()>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                held.push(s);
+            }
+        });
+        (authority, task)
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_reused_per_authority_until_they_time_out() {
+        let (a, _ta) = listener().await;
+        let (b, _tb) = listener().await;
+        let pool = Pool::default();
+        let t = 1_000;
+        pool.put(connect(&a).await.unwrap(), t);
+        pool.put(connect(&b).await.unwrap(), t);
+        assert_eq!(pool.idle(), 2);
+        // the connection to `a`, not the more recent one to `b`
+        let c = pool.take(&a, t + 1).unwrap();
+        assert_eq!(c.authority, a);
+        assert!(pool.take(&a, t + 1).is_none());
+        pool.put(c, t + 1);
+        // past the idle timeout: closed, not reused
+        assert!(pool.take(&a, t + 1 + IDLE_TIMEOUT_MS).is_none());
+        assert_eq!(
+            pool.idle(),
+            0,
+            "timed-out connections met on the way are dropped"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_pool_keeps_at_most_max_idle_connections() {
+        let (a, _ta) = listener().await;
+        let pool = Pool {
+            max_idle: 4,
+            ..Pool::default()
+        };
+        for _ in 0..7 {
+            pool.put(connect(&a).await.unwrap(), 1);
+        }
+        assert_eq!(pool.idle(), 4);
+    }
+
+    #[tokio::test]
+    async fn connect_errors_name_the_instance() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+        drop(l);
+        let e = connect(&authority).await.err().unwrap();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("connect to {authority} failed")),
+            "{e}"
+        );
+    }
+}
