@@ -27,6 +27,7 @@
 //!   is sharded and only touched when a key spills).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,11 +70,12 @@ async fn reached(stop: &mut tokio::sync::watch::Receiver<u8>, level: u8) {
 /// Serves the router on `listener` until `shutdown` completes, then drains: stops accepting,
 /// lets in-flight requests finish (up to `--shutdown-grace-ms`) and returns.
 ///
-/// Connections are served by `--workers` threads, each running a single-threaded runtime that
-/// accepts from the shared listener and keeps each connection, and the upstream connections its
-/// requests use, on that thread: no task moves between threads and no idle thread is woken to
-/// look for work (on the router_overhead benchmark, tokio's work-stealing runtime cost about 20
-/// µs of CPU more per request). The table watch runs on the caller's runtime.
+/// Connections are accepted on the caller's runtime and handed to `--workers` threads (to the one
+/// serving the fewest connections), each running a single-threaded runtime that keeps the
+/// connection, and the upstream connections its requests use, on that thread: no task moves
+/// between threads and no idle thread is woken to look for work (on the router_overhead
+/// benchmark, tokio's work-stealing runtime cost about 20 µs of CPU more per request). The table
+/// watch runs on the caller's runtime too.
 ///
 /// Loads `--table-cache` first (if any), and watches the control plane in the background for as
 /// long as it serves.
@@ -109,9 +111,11 @@ pub async fn serve(
     // Every worker thread and connection task holds a clone; `recv` returns None once all are
     // gone.
     let (drain_tx, mut drain_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let listener = listener.into_std()?;
+    let mut handoff = Vec::with_capacity(workers);
     for worker in 0..workers {
-        let listener = listener.try_clone()?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let open = Arc::new(AtomicUsize::new(0));
+        handoff.push((tx, open.clone()));
         let (router, stop, drain) = (router.clone(), stop_rx.clone(), drain_tx.clone());
         std::thread::Builder::new()
             .name(format!("data-plane-{worker}"))
@@ -127,11 +131,40 @@ pub async fn serve(
                     }
                 };
                 upstream::set_worker(worker);
-                runtime.block_on(accept_loop(listener, router, stop, drain));
+                runtime.block_on(worker_loop(rx, open, router, stop, drain));
             })?;
     }
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut next = 0;
+    loop {
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a little rather than spin.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let Ok(stream) = stream.into_std() else {
+            continue;
+        };
+        // The worker with the fewest open connections; ties taken in turn.
+        let n = handoff.len();
+        let worker = (0..n)
+            .map(|i| (next + i) % n)
+            .min_by_key(|&w| handoff[w].1.load(Relaxed))
+            .unwrap_or(0);
+        next = (worker + 1) % n;
+        handoff[worker].1.fetch_add(1, Relaxed);
+        let _ = handoff[worker].0.send(stream);
+    }
     drop(listener);
-    shutdown.await;
+    drop(handoff);
     let _ = stop_tx.send(1);
     drop(drain_tx);
     let grace = Duration::from_millis(config.shutdown_grace_ms);
@@ -146,42 +179,33 @@ pub async fn serve(
     Ok(())
 }
 
-/// One worker: accepts connections and serves them on this thread's runtime until the drain
-/// stage, then waits for its connections to finish (each holds a `drain` clone).
-async fn accept_loop(
-    listener: std::net::TcpListener,
+/// One worker: serves the connections handed to it on this thread's runtime until the hand-off
+/// channel closes (the drain stage), then waits for its connections to finish (each holds a
+/// `drain` clone). `open` counts its connections.
+async fn worker_loop(
+    mut connections_in: tokio::sync::mpsc::UnboundedReceiver<std::net::TcpStream>,
+    open: Arc<AtomicUsize>,
     router: Arc<proxy::Router>,
-    mut stop: tokio::sync::watch::Receiver<u8>,
+    stop: tokio::sync::watch::Receiver<u8>,
     drain: tokio::sync::mpsc::Sender<()>,
 ) {
-    let listener = match TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("worker cannot use the listener: {e}");
-            return;
-        }
-    };
     // Connections of this worker: they must finish before its runtime (returning) drops them.
     let mut connections = tokio::task::JoinSet::new();
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = reached(&mut stop, 1) => break,
-            accepted = listener.accept() => match accepted {
-                Ok(conn) => conn,
-                Err(e) => {
-                    // Out of file descriptors and the like: wait a little rather than spin.
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
-                }
-            },
-        };
+    while let Some(stream) = connections_in.recv().await {
         // Finished connections' results, so the set does not grow with the connections served.
         while connections.try_join_next().is_some() {}
-        let _ = stream.set_nodelay(true);
+        let stream = match tokio::net::TcpStream::from_std(stream) {
+            Ok(s) => s,
+            Err(e) => {
+                open.fetch_sub(1, Relaxed);
+                tracing::warn!("cannot serve an accepted connection: {e}");
+                continue;
+            }
+        };
         let router = router.clone();
         let mut stop = stop.clone();
         let drain = drain.clone();
+        let open = open.clone();
         connections.spawn(async move {
             let service = service_fn(move |req| router.clone().handle(req));
             let conn = http1::Builder::new()
@@ -199,9 +223,9 @@ async fn accept_loop(
                     }
                 }
             }
+            open.fetch_sub(1, Relaxed);
             drop(drain);
         });
     }
-    drop(listener);
     while connections.join_next().await.is_some() {}
 }
