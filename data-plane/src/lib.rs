@@ -27,7 +27,7 @@
 //!   is sharded and only touched when a key spills).
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,7 +101,7 @@ pub async fn serve(
         node_id.clone(),
         config.table_cache.clone(),
     )));
-    let workers = config.resolved_workers();
+    let workers = router.metrics.worker_connections.len();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, node_id, workers, control_plane = %config.control_plane, "data plane serving");
     }
@@ -114,8 +114,7 @@ pub async fn serve(
     let mut handoff = Vec::with_capacity(workers);
     for worker in 0..workers {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let open = Arc::new(AtomicUsize::new(0));
-        handoff.push((tx, open.clone()));
+        handoff.push(tx);
         let (router, stop, drain) = (router.clone(), stop_rx.clone(), drain_tx.clone());
         std::thread::Builder::new()
             .name(format!("data-plane-{worker}"))
@@ -131,7 +130,7 @@ pub async fn serve(
                     }
                 };
                 upstream::set_worker(worker);
-                runtime.block_on(worker_loop(rx, open, router, stop, drain));
+                runtime.block_on(worker_loop(worker, rx, router, stop, drain));
             })?;
     }
     let mut shutdown = std::pin::pin!(shutdown);
@@ -154,14 +153,15 @@ pub async fn serve(
             continue;
         };
         // The worker with the fewest open connections; ties taken in turn.
+        let open = &router.metrics.worker_connections;
         let n = handoff.len();
         let worker = (0..n)
             .map(|i| (next + i) % n)
-            .min_by_key(|&w| handoff[w].1.load(Relaxed))
+            .min_by_key(|&w| open[w].load(Relaxed))
             .unwrap_or(0);
         next = (worker + 1) % n;
-        handoff[worker].1.fetch_add(1, Relaxed);
-        let _ = handoff[worker].0.send(stream);
+        open[worker].fetch_add(1, Relaxed);
+        let _ = handoff[worker].send(stream);
     }
     drop(listener);
     drop(handoff);
@@ -181,10 +181,10 @@ pub async fn serve(
 
 /// One worker: serves the connections handed to it on this thread's runtime until the hand-off
 /// channel closes (the drain stage), then waits for its connections to finish (each holds a
-/// `drain` clone). `open` counts its connections.
+/// `drain` clone). Its open connections are counted in the router's metrics.
 async fn worker_loop(
+    worker: usize,
     mut connections_in: tokio::sync::mpsc::UnboundedReceiver<std::net::TcpStream>,
-    open: Arc<AtomicUsize>,
     router: Arc<proxy::Router>,
     stop: tokio::sync::watch::Receiver<u8>,
     drain: tokio::sync::mpsc::Sender<()>,
@@ -197,7 +197,7 @@ async fn worker_loop(
         let stream = match tokio::net::TcpStream::from_std(stream) {
             Ok(s) => s,
             Err(e) => {
-                open.fetch_sub(1, Relaxed);
+                router.metrics.worker_connections[worker].fetch_sub(1, Relaxed);
                 tracing::warn!("cannot serve an accepted connection: {e}");
                 continue;
             }
@@ -205,9 +205,9 @@ async fn worker_loop(
         let router = router.clone();
         let mut stop = stop.clone();
         let drain = drain.clone();
-        let open = open.clone();
         connections.spawn(async move {
-            let service = service_fn(move |req| router.clone().handle(req));
+            let handler = router.clone();
+            let service = service_fn(move |req| handler.clone().handle(req));
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .keep_alive(true)
@@ -223,7 +223,7 @@ async fn worker_loop(
                     }
                 }
             }
-            open.fetch_sub(1, Relaxed);
+            router.metrics.worker_connections[worker].fetch_sub(1, Relaxed);
             drop(drain);
         });
     }

@@ -127,9 +127,19 @@ pub struct Metrics {
     pub control_plane_connected: AtomicU64,
     pub retries: AtomicU64,
     pub ejections: AtomicU64,
+    /// Open client connections per worker thread (`serve` hands a new one to the lowest).
+    pub worker_connections: Box<[AtomicU64]>,
 }
 
 impl Metrics {
+    /// Metrics of a router with `workers` worker threads.
+    pub fn with_workers(workers: usize) -> Self {
+        Metrics {
+            worker_connections: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            ..Metrics::default()
+        }
+    }
+
     pub fn record_unrouted(&self, status: u16) {
         self.unrouted[status_slot(status)].fetch_add(1, Relaxed);
     }
@@ -247,6 +257,17 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        }
+        out.push_str(
+            "# HELP prefix_router_worker_connections Open client connections per worker thread.\n\
+             # TYPE prefix_router_worker_connections gauge\n",
+        );
+        for (worker, open) in self.worker_connections.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "prefix_router_worker_connections{{worker=\"{worker}\"}} {}",
+                open.load(Relaxed)
             );
         }
         out

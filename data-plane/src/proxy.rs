@@ -63,7 +63,7 @@ impl Router {
                 config.hash_balance_factor,
                 config.default_endpoint.clone(),
             ),
-            metrics: Metrics::default(),
+            metrics: Metrics::with_workers(config.resolved_workers()),
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),
         }

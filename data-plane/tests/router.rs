@@ -1037,3 +1037,62 @@ async fn upstream_connections_are_reused_and_replaced_once_the_server_closes_the
     assert!(m.contains("prefix_router_retries_total 0\n"), "{m}");
     assert!(m.contains("prefix_router_ejections_total 0\n"), "{m}");
 }
+
+#[tokio::test]
+async fn connections_are_spread_evenly_over_the_worker_threads() {
+    let cp = MockControlPlane::start().await;
+    let b = backends(1).await;
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &urls(&b),
+    ));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        node_id: Some("r".into()),
+        workers: 3,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    // One connection reads the metrics throughout; the others (readiness polls) are gone first.
+    let metrics_client = client();
+    let metrics = || async {
+        let req = http::Request::get(router.url("/metrics"))
+            .body(http_body_util::Empty::new().map_err(|e| match e {}).boxed())
+            .unwrap();
+        let r = metrics_client.request(req).await.unwrap();
+        String::from_utf8(r.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+    };
+    let open = |m: &str| -> Vec<u64> {
+        (0..3)
+            .map(|w| {
+                let prefix = format!("prefix_router_worker_connections{{worker=\"{w}\"}} ");
+                m.lines()
+                    .find_map(|l| l.strip_prefix(prefix.as_str()))
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            })
+            .collect()
+    };
+    wait_until("only the metrics connection is open", || async {
+        open(&metrics().await).iter().sum::<u64>() == 1
+    })
+    .await;
+    // 8 more client connections held open (keep-alive), one request each: 9 over 3 workers
+    let url = router.url("/v1/completions");
+    let mut held = Vec::new();
+    for i in 0..8 {
+        let c = client();
+        let r = c
+            .request(post_request(&url, &[], format!(r#"{{"model":"e","prompt":"{i}"}}"#)))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.into_body().collect().await.unwrap();
+        held.push(c);
+    }
+    assert_eq!(open(&metrics().await), vec![3, 3, 3]);
+    drop(held);
+}
