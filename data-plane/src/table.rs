@@ -497,38 +497,52 @@ fn strategy(
             let pa = config
                 .and_then(|c| c.prefix_aware_routing_config)
                 .unwrap_or_default();
-            let prefix_length = if pa.prefix_length == 0 {
-                DEFAULT_PREFIX_LENGTH
-            } else {
-                pa.prefix_length
-            };
-            if !PREFIX_LENGTH_RANGE.contains(&prefix_length) {
-                let (endpoint, variant) = ctx();
-                return Err(TableError::BadPrefixLength {
+            let prefix_length = setting(
+                pa.prefix_length,
+                DEFAULT_PREFIX_LENGTH,
+                PREFIX_LENGTH_RANGE,
+                &ctx,
+                |endpoint, variant, value| TableError::BadPrefixLength {
                     endpoint,
                     variant,
-                    value: prefix_length,
-                });
-            }
-            let concurrency_threshold = if pa.concurrency_threshold == 0 {
-                DEFAULT_CONCURRENCY_THRESHOLD
-            } else {
-                pa.concurrency_threshold
-            };
-            if !CONCURRENCY_THRESHOLD_RANGE.contains(&concurrency_threshold) {
-                let (endpoint, variant) = ctx();
-                return Err(TableError::BadConcurrencyThreshold {
+                    value,
+                },
+            )?;
+            let concurrency_threshold = setting(
+                pa.concurrency_threshold,
+                DEFAULT_CONCURRENCY_THRESHOLD,
+                CONCURRENCY_THRESHOLD_RANGE,
+                &ctx,
+                |endpoint, variant, value| TableError::BadConcurrencyThreshold {
                     endpoint,
                     variant,
-                    value: concurrency_threshold,
-                });
-            }
+                    value,
+                },
+            )?;
             Strategy::PrefixAware(PrefixAware {
                 prefix_length,
                 concurrency_threshold,
             })
         }
     })
+}
+
+/// A PREFIX_AWARE setting: `value`, or `default` when unset (0), checked against `range`; `error`
+/// names the field (endpoint, variant, value).
+fn setting(
+    value: u32,
+    default: u32,
+    range: std::ops::RangeInclusive<u32>,
+    ctx: &impl Fn() -> (String, String),
+    error: fn(String, String, u32) -> TableError,
+) -> Result<u32, TableError> {
+    let value = if value == 0 { default } else { value };
+    if range.contains(&value) {
+        Ok(value)
+    } else {
+        let (endpoint, variant) = ctx();
+        Err(error(endpoint, variant, value))
+    }
 }
 
 /// `http://host:port[/base]` -> authority and base path. Only plain HTTP: the router has no TLS

@@ -1086,7 +1086,11 @@ async fn connections_are_spread_evenly_over_the_worker_threads() {
     for i in 0..8 {
         let c = client();
         let r = c
-            .request(post_request(&url, &[], format!(r#"{{"model":"e","prompt":"{i}"}}"#)))
+            .request(post_request(
+                &url,
+                &[],
+                format!(r#"{{"model":"e","prompt":"{i}"}}"#),
+            ))
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
