@@ -995,13 +995,7 @@ async fn upstream_connections_are_reused_and_replaced_once_the_server_closes_the
         ],
     ));
     // One worker thread: idle connections are kept per worker.
-    let router = RouterHandle::start(Config {
-        control_plane: cp.url.clone(),
-        node_id: Some("r".into()),
-        workers: 1,
-        ..Config::default()
-    })
-    .await;
+    let router = RouterHandle::watching_on_workers(&cp, "r", 1).await;
     router.wait_version(1).await;
     let url = router.url("/v1/completions");
 
@@ -1047,13 +1041,7 @@ async fn connections_are_spread_evenly_over_the_worker_threads() {
         strategy(RoutingStrategy::Random),
         &urls(&b),
     ));
-    let router = RouterHandle::start(Config {
-        control_plane: cp.url.clone(),
-        node_id: Some("r".into()),
-        workers: 3,
-        ..Config::default()
-    })
-    .await;
+    let router = RouterHandle::watching_on_workers(&cp, "r", 3).await;
     router.wait_version(1).await;
     // One connection reads the metrics throughout; the others (readiness polls) are gone first.
     let metrics_client = client();

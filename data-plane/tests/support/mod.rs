@@ -520,9 +520,15 @@ impl RouterHandle {
 
     /// A router watching `cp`, with a node id.
     pub async fn watching(cp: &MockControlPlane, node_id: &str) -> Self {
+        Self::watching_on_workers(cp, node_id, 0).await
+    }
+
+    /// A router watching `cp`, serving on `workers` threads (0: one per CPU).
+    pub async fn watching_on_workers(cp: &MockControlPlane, node_id: &str, workers: usize) -> Self {
         Self::start(Config {
             control_plane: cp.url.clone(),
             node_id: Some(node_id.into()),
+            workers,
             ..Config::default()
         })
         .await
