@@ -1,6 +1,7 @@
 //! A whole fleet in this process: control plane (sled in a temp dir), data-plane replicas and
 //! simulated engines, each on its own loopback port, so that the benchmark drives the real
-//! servers over real HTTP and gRPC.
+//! servers over real HTTP and gRPC. With `FleetSpec::engines` the engines are not started here:
+//! the variant points at engines that already run (`prefixctl bench --engines`).
 
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use proto::{
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-use super::metrics::{self, Histogram};
+use super::metrics::{self, CacheCounters, EngineMetrics, Histogram};
 
 pub const ENDPOINT: &str = "bench";
 pub const VARIANT: &str = "v1";
@@ -32,23 +33,45 @@ pub struct FleetSpec {
     pub kv_capacity_tokens: u64,
     pub time_scale: f64,
     pub seed: u64,
+    /// Engines that already run (base URLs); when not empty, no engine-sim is started and
+    /// `instances` is ignored.
+    pub engines: Vec<String>,
 }
 
-/// A server task and the way to stop it.
+/// A server task and the way to stop it; an engine that runs outside this process has neither.
 struct Server {
     url: String,
     stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
 
 impl Server {
+    fn external(url: String) -> Self {
+        Server {
+            url,
+            stop: None,
+            task: None,
+        }
+    }
+
     async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
-        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
-        self.task.abort();
+        if let Some(mut task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), &mut task).await;
+            task.abort();
+        }
     }
+}
+
+/// One scrape of one engine's `/metrics`.
+#[derive(Debug, Clone)]
+pub struct EngineReading {
+    pub url: String,
+    /// The engine's own prefix-cache counters; `None` when its `/metrics` has none this knows
+    /// or it serves no `/metrics` (llama-server without `--metrics`).
+    pub counters: Option<(EngineMetrics, CacheCounters)>,
 }
 
 /// Counters read from one engine's `/metrics`.
@@ -98,7 +121,7 @@ where
     Server {
         url,
         stop: Some(tx),
-        task: tokio::spawn(f(rx)),
+        task: Some(tokio::spawn(f(rx))),
     }
 }
 
@@ -123,9 +146,16 @@ impl Fleet {
             http: metrics::http_client(),
             _dir: dir,
         };
-        for _ in 0..spec.instances {
-            let i = fleet.start_engine().await?;
-            fleet.active.push(i);
+        if spec.engines.is_empty() {
+            for _ in 0..spec.instances {
+                let i = fleet.start_engine().await?;
+                fleet.active.push(i);
+            }
+        } else {
+            for url in &spec.engines {
+                fleet.active.push(fleet.engines.len());
+                fleet.engines.push(Server::external(url.clone()));
+            }
         }
         fleet
             .client
@@ -169,6 +199,11 @@ impl Fleet {
     }
 
     async fn start_engine(&mut self) -> anyhow::Result<usize> {
+        anyhow::ensure!(
+            self.spec.engines.is_empty(),
+            "cannot start an engine-sim in a fleet of --engines {}",
+            self.spec.engines.join(",")
+        );
         let (l, url) = bind().await?;
         let n = self.engines.len();
         let config = engine_sim::Config::try_parse_from([
@@ -286,15 +321,37 @@ impl Fleet {
             .collect()
     }
 
-    /// Counters of every engine ever started, in start order.
+    /// Counters of every engine ever started, in start order (zero where an engine has none).
     pub async fn engine_counters(&self) -> anyhow::Result<Vec<EngineCounters>> {
+        Ok(self
+            .engine_readings()
+            .await?
+            .into_iter()
+            .map(|r| {
+                let c = r.counters.map(|c| c.1).unwrap_or_default();
+                EngineCounters {
+                    queries: c.prompt_tokens,
+                    hits: c.cached_tokens,
+                    requests: c.requests.unwrap_or(0.0),
+                }
+            })
+            .collect())
+    }
+
+    /// One scrape of every engine's `/metrics`, in start order. An engine that cannot be reached
+    /// is an error; one that answers `/metrics` with an error status has no counters.
+    pub async fn engine_readings(&self) -> anyhow::Result<Vec<EngineReading>> {
         let mut out = Vec::with_capacity(self.engines.len());
         for e in &self.engines {
-            let text = metrics::get_text(&self.http, &format!("{}/metrics", e.url)).await?;
-            out.push(EngineCounters {
-                queries: metrics::sum(&text, "vllm:prefix_cache_queries_total"),
-                hits: metrics::sum(&text, "vllm:prefix_cache_hits_total"),
-                requests: metrics::sum(&text, "engine_sim_requests_total"),
+            let counters = match metrics::get_text(&self.http, &format!("{}/metrics", e.url)).await
+            {
+                Ok(text) => metrics::cache_counters(&text),
+                Err(err) if err.is::<metrics::HttpStatus>() => None,
+                Err(err) => return Err(err),
+            };
+            out.push(EngineReading {
+                url: e.url.clone(),
+                counters,
             });
         }
         Ok(out)

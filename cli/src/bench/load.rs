@@ -1,6 +1,7 @@
 //! Closed-loop load: each client sends one streaming chat request at a time through a router,
 //! reads the stream to its end, and sends the next. Time to first token is taken at the client,
-//! when the first content chunk arrives.
+//! when the first content chunk arrives. The prompt's `usage` (prompt and cached tokens) is kept
+//! beside each sample, for engines whose `/metrics` carry no cache counters.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,12 +28,28 @@ pub struct Sample {
     pub error: Option<String>,
 }
 
+/// What a response's `usage` said about its prompt, when the engine reported it
+/// (`usage.prompt_tokens`, `usage.prompt_tokens_details.cached_tokens`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptUsage {
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+}
+
+/// One finished request and its prompt usage.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub sample: Sample,
+    pub usage: PromptUsage,
+}
+
 /// What one streamed response carried.
 struct Streamed {
     ttft: Duration,
     text: String,
     output_tokens: u32,
     instance: String,
+    usage: PromptUsage,
 }
 
 /// Runs `concurrency` clients over `routers` until `stop_at`, sending each sample down `out`.
@@ -44,7 +61,7 @@ pub async fn run_clients(
     concurrency: usize,
     stop_at: Instant,
     http: HttpClient,
-    out: mpsc::UnboundedSender<Sample>,
+    out: mpsc::UnboundedSender<Finished>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     for client in 0..concurrency {
@@ -66,7 +83,7 @@ pub async fn run_clients(
                 let started = Instant::now();
                 let result = send(&http, &url, body, started).await;
                 let done = Instant::now();
-                let sample = match result {
+                let finished = match result {
                     Ok(s) => {
                         let sample = Sample {
                             client,
@@ -79,20 +96,26 @@ pub async fn run_clients(
                             error: None,
                         };
                         last_reply = Some(s.text);
-                        sample
+                        Finished {
+                            sample,
+                            usage: s.usage,
+                        }
                     }
-                    Err(e) => Sample {
-                        client,
-                        done,
-                        ttft: Duration::ZERO,
-                        latency: done - started,
-                        output_tokens: 0,
-                        instance: String::new(),
-                        affinity: req.affinity,
-                        error: Some(format!("{e:#}")),
+                    Err(e) => Finished {
+                        sample: Sample {
+                            client,
+                            done,
+                            ttft: Duration::ZERO,
+                            latency: done - started,
+                            output_tokens: 0,
+                            instance: String::new(),
+                            affinity: req.affinity,
+                            error: Some(format!("{e:#}")),
+                        },
+                        usage: PromptUsage::default(),
                     },
                 };
-                if out.send(sample).is_err() {
+                if out.send(finished).is_err() {
                     return;
                 }
             }
@@ -149,6 +172,7 @@ async fn send(
         output_tokens: sse.completion_tokens.unwrap_or(sse.chunks),
         text: sse.text,
         instance,
+        usage: sse.usage,
     })
 }
 
@@ -159,6 +183,7 @@ struct SseText {
     text: String,
     chunks: u32,
     completion_tokens: Option<u32>,
+    usage: PromptUsage,
     done: bool,
 }
 
@@ -194,6 +219,15 @@ impl SseText {
                 {
                     self.completion_tokens = Some(n as u32);
                 }
+                if let Some(n) = v.pointer("/usage/prompt_tokens").and_then(|n| n.as_u64()) {
+                    self.usage.prompt_tokens = Some(n);
+                }
+                if let Some(n) = v
+                    .pointer("/usage/prompt_tokens_details/cached_tokens")
+                    .and_then(|n| n.as_u64())
+                {
+                    self.usage.cached_tokens = Some(n);
+                }
             }
         }
     }
@@ -212,13 +246,21 @@ mod tests {
         let stream = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n\
             data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n\
             data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n\
-            data: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
+            data: {\"choices\":[],\"usage\":{\"completion_tokens\":2,\"prompt_tokens\":90,\
+            \"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\ndata: [DONE]\n\n";
         let mut sse = SseText::default();
         for piece in stream.as_bytes().chunks(7) {
             sse.feed(piece);
         }
         assert_eq!(sse.text, "Hello");
         assert_eq!(sse.completion_tokens, Some(2));
+        assert_eq!(
+            sse.usage,
+            PromptUsage {
+                prompt_tokens: Some(90),
+                cached_tokens: Some(64)
+            }
+        );
         assert!(sse.done);
     }
 }

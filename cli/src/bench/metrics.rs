@@ -18,17 +18,32 @@ pub fn http_client() -> HttpClient {
         .build(connector)
 }
 
+/// A server answered with an error status.
+#[derive(Debug, thiserror::Error)]
+#[error("GET {url}: HTTP {status}")]
+pub struct HttpStatus {
+    pub url: String,
+    pub status: http::StatusCode,
+}
+
+/// `GET url` as text. A request that fails before any answer is sent once more: servers such
+/// as llama-server close idle keep-alive connections without notice, so a pooled connection may
+/// be dead.
 pub async fn get_text(client: &HttpClient, url: &str) -> anyhow::Result<String> {
-    let req = http::Request::get(url).body(Full::new(Bytes::new()))?;
-    let resp = client
-        .request(req)
-        .await
-        .with_context(|| format!("GET {url}"))?;
-    anyhow::ensure!(
-        resp.status().is_success(),
-        "GET {url}: HTTP {}",
-        resp.status()
-    );
+    let get = || -> anyhow::Result<_> {
+        Ok(client.request(http::Request::get(url).body(Full::new(Bytes::new()))?))
+    };
+    let resp = match get()?.await {
+        Ok(r) => r,
+        Err(_) => get()?.await.with_context(|| format!("GET {url}"))?,
+    };
+    if !resp.status().is_success() {
+        return Err(HttpStatus {
+            url: url.to_string(),
+            status: resp.status(),
+        }
+        .into());
+    }
     let body = resp
         .into_body()
         .collect()
@@ -60,6 +75,86 @@ fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f
 /// Sum of every sample of metric `name`.
 pub fn sum(text: &str, name: &str) -> f64 {
     samples(text, name).map(|(_, v)| v).sum()
+}
+
+/// Whether the text has at least one sample of metric `name`.
+pub fn has(text: &str, name: &str) -> bool {
+    samples(text, name).next().is_some()
+}
+
+/// Whose metric names an engine's `/metrics` carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum EngineMetrics {
+    /// vLLM (and engine-sim): `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`.
+    #[serde(rename = "vllm")]
+    Vllm,
+    /// llama.cpp's llama-server (`--metrics`): `llamacpp:prompt_tokens_total` counts the prompt
+    /// tokens it computed, `llamacpp:prompt_tokens_cached_total` those it took from its cache.
+    #[serde(rename = "llama.cpp")]
+    LlamaCpp,
+    /// SGLang: `sglang:prompt_tokens_total` (every prompt token) / `sglang:cached_tokens_total`.
+    #[serde(rename = "sglang")]
+    Sglang,
+}
+
+impl EngineMetrics {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineMetrics::Vllm => "vllm",
+            EngineMetrics::LlamaCpp => "llama.cpp",
+            EngineMetrics::Sglang => "sglang",
+        }
+    }
+}
+
+/// An engine's own prefix-cache counters, in tokens, as read from one scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheCounters {
+    /// Prompt tokens the engine was asked to prefill (taken from the cache or computed).
+    pub prompt_tokens: f64,
+    /// Of those, the tokens it found in its cache.
+    pub cached_tokens: f64,
+    /// Requests served, when the engine counts them (llama-server does not).
+    pub requests: Option<f64>,
+}
+
+/// Reads the prefix-cache counters of whichever engine wrote `text`, or `None` when it carries
+/// none this knows (then hit rates must come from the responses' `usage`).
+pub fn cache_counters(text: &str) -> Option<(EngineMetrics, CacheCounters)> {
+    let counted = |names: &[&str]| names.iter().find(|n| has(text, n)).map(|n| sum(text, n));
+    if has(text, "vllm:prefix_cache_queries_total") {
+        return Some((
+            EngineMetrics::Vllm,
+            CacheCounters {
+                prompt_tokens: sum(text, "vllm:prefix_cache_queries_total"),
+                cached_tokens: sum(text, "vllm:prefix_cache_hits_total"),
+                requests: counted(&["engine_sim_requests_total", "vllm:request_success_total"]),
+            },
+        ));
+    }
+    if has(text, "llamacpp:prompt_tokens_total") && has(text, "llamacpp:prompt_tokens_cached_total")
+    {
+        let cached = sum(text, "llamacpp:prompt_tokens_cached_total");
+        return Some((
+            EngineMetrics::LlamaCpp,
+            CacheCounters {
+                prompt_tokens: sum(text, "llamacpp:prompt_tokens_total") + cached,
+                cached_tokens: cached,
+                requests: None,
+            },
+        ));
+    }
+    if has(text, "sglang:prompt_tokens_total") && has(text, "sglang:cached_tokens_total") {
+        return Some((
+            EngineMetrics::Sglang,
+            CacheCounters {
+                prompt_tokens: sum(text, "sglang:prompt_tokens_total"),
+                cached_tokens: sum(text, "sglang:cached_tokens_total"),
+                requests: counted(&["sglang:num_requests_total"]),
+            },
+        ));
+    }
+    None
 }
 
 /// A cumulative histogram: upper bounds (seconds) and counts, `+Inf` last.
@@ -169,6 +264,56 @@ mod tests {
     #[test]
     fn sums_counters_over_labels_only_for_that_name() {
         assert_eq!(sum(TEXT, "c_total"), 7.5);
+    }
+
+    #[test]
+    fn cache_counters_of_each_engine() {
+        let vllm = "vllm:prefix_cache_queries_total{engine=\"0\"} 1000\n\
+            vllm:prefix_cache_hits_total{engine=\"0\"} 600\n\
+            vllm:request_success_total{finished_reason=\"stop\"} 7\n\
+            vllm:request_success_total{finished_reason=\"length\"} 3\n";
+        assert_eq!(
+            cache_counters(vllm),
+            Some((
+                EngineMetrics::Vllm,
+                CacheCounters {
+                    prompt_tokens: 1000.0,
+                    cached_tokens: 600.0,
+                    requests: Some(10.0)
+                }
+            ))
+        );
+        // llama-server counts computed and cached prompt tokens apart, and no requests.
+        let llama = "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n\
+            # TYPE llamacpp:prompt_tokens_total counter\n\
+            llamacpp:prompt_tokens_total 400\n\
+            llamacpp:prompt_tokens_cached_total 1200\n\
+            llamacpp:prompt_tokens_seconds 99\n";
+        assert_eq!(
+            cache_counters(llama),
+            Some((
+                EngineMetrics::LlamaCpp,
+                CacheCounters {
+                    prompt_tokens: 1600.0,
+                    cached_tokens: 1200.0,
+                    requests: None
+                }
+            ))
+        );
+        let sglang = "sglang:prompt_tokens_total{model_name=\"m\"} 500\n\
+            sglang:cached_tokens_total{model_name=\"m\"} 100\n\
+            sglang:num_requests_total{model_name=\"m\"} 4\n";
+        assert_eq!(
+            cache_counters(sglang).map(|c| (
+                c.0,
+                c.1.cached_tokens / c.1.prompt_tokens,
+                c.1.requests
+            )),
+            Some((EngineMetrics::Sglang, 0.2, Some(4.0)))
+        );
+        // A llama-server too old for the cached-token counter gives no hit rate.
+        assert_eq!(cache_counters("llamacpp:prompt_tokens_total 400\n"), None);
+        assert_eq!(cache_counters("# nothing\n"), None);
     }
 
     #[test]

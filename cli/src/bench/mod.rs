@@ -6,7 +6,14 @@
 //! chunk), hit rate and shares from the engines' own counters, decision time from the routers'
 //! histograms. Engines run `--time-scale` times real time; every duration reported (TTFT,
 //! `--duration`, throughput) is in simulated time, i.e. wall time divided by the time scale.
+//!
+//! With `--engines URL,...` no engine is started: the data plane(s) route to engines that already
+//! run, time is real time (time scale 1), and each strategy runs on texts of its own (the
+//! workload's text salt is the strategy's position + 1), so no strategy finds the documents of
+//! the one before it in the engines' caches. Hit rate and shares come from the engines' own
+//! `/metrics` counters when they have them, else from the responses (see [`engines`]).
 
+pub mod engines;
 pub mod fleet;
 pub mod load;
 pub mod metrics;
@@ -21,8 +28,9 @@ use anyhow::Context;
 use proto::RoutingStrategy;
 use tokio::sync::mpsc;
 
-use fleet::{EngineCounters, Fleet, FleetSpec};
-use load::Sample;
+use engines::EngineShares;
+use fleet::{EngineCounters, EngineReading, Fleet, FleetSpec};
+use load::{Finished, PromptUsage, Sample};
 use report::{AutoscaleReport, BenchReport, PhaseHitRate, StrategyResult};
 use workload::{Workload, WorkloadKind};
 
@@ -38,17 +46,35 @@ pub struct BenchArgs {
     /// Model servers (engine-sim) in the fleet.
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub instances: u64,
+    /// Engines that already run (base URLs, comma-separated: vLLM, SGLang, llama-server...): the
+    /// data plane(s) route to them instead of engine-sims. Times are real; hit rate comes from
+    /// their own /metrics counters, else from the responses' usage. Each strategy gets fresh
+    /// texts (no strategy inherits another's warm cache).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["instances", "time_scale"])]
+    pub engines: Vec<String>,
+    /// Multiplies the workload's token sizes (documents, system prompts, messages, replies), its
+    /// suggested prefix_length and the engines' KV capacity; e.g. 0.1 for small CPU engines.
+    #[arg(long, default_value_t = 1.0)]
+    pub token_scale: f64,
     /// Data-plane replicas; clients are spread over them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=16))]
     pub routers: u64,
     /// Concurrent closed-loop clients.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub concurrency: u64,
-    /// Measured time per strategy, in simulated seconds.
-    #[arg(long, default_value_t = 300.0)]
+    /// Measured time per strategy, in simulated seconds (real seconds with --engines; default 120 there).
+    #[arg(
+        long,
+        default_value_t = 300.0,
+        default_value_if("engines", clap::builder::ArgPredicate::IsPresent, "120")
+    )]
     pub duration: f64,
-    /// Warm-up before measuring, in simulated seconds.
-    #[arg(long, default_value_t = 60.0)]
+    /// Warm-up before measuring, in simulated seconds (real seconds with --engines; default 30 there).
+    #[arg(
+        long,
+        default_value_t = 60.0,
+        default_value_if("engines", clap::builder::ArgPredicate::IsPresent, "30")
+    )]
     pub warmup: f64,
     /// Engine speed: 0.1 runs the engines ten times faster than real time.
     #[arg(long, default_value_t = 0.1)]
@@ -106,7 +132,54 @@ impl BenchArgs {
             !self.strategies.is_empty(),
             "invalid --strategies: none given"
         );
+        anyhow::ensure!(
+            self.token_scale > 0.0 && self.token_scale <= 10.0,
+            "invalid --token-scale {}: must be in (0, 10]",
+            self.token_scale
+        );
+        if !self.engines.is_empty() {
+            anyhow::ensure!(
+                self.workload != WorkloadKind::Autoscale,
+                "invalid --workload autoscale with --engines: it starts and stops engines, \
+                 which the bench cannot do to engines it did not start"
+            );
+            for (i, url) in self.engines.iter().enumerate() {
+                let uri: http::Uri = url
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("invalid --engines URL {url:?}: {e}"))?;
+                anyhow::ensure!(
+                    uri.scheme_str() == Some("http")
+                        && uri.authority().is_some()
+                        && matches!(uri.path(), "" | "/")
+                        && uri.query().is_none(),
+                    "invalid --engines URL {url:?}: expected http://HOST:PORT"
+                );
+                anyhow::ensure!(
+                    !self.engines[..i].contains(url),
+                    "invalid --engines: {url:?} is given twice"
+                );
+            }
+        }
         Ok(())
+    }
+
+    /// The workload as run, with `salt` mixed into its texts and its sizes scaled.
+    fn workload(&self, salt: u64) -> Workload {
+        let mut w = Workload::new(self.workload, self.seed);
+        if salt != 0 {
+            w = w.with_text_salt(salt);
+        }
+        let f = self.token_scale;
+        if f != 1.0 {
+            let scale = |n: usize| ((n as f64 * f).round() as usize).max(1);
+            w.document_tokens = scale(w.document_tokens);
+            w.system_prompt_tokens = scale(w.system_prompt_tokens);
+            w.user_tokens_median *= f;
+            w.reply_tokens_median *= f;
+            w.kv_capacity_tokens = scale(w.kv_capacity_tokens as usize) as u64;
+            w.prefix_length = ((w.prefix_length as f64 * f).round() as u32).clamp(64, 65536);
+        }
+        w
     }
 
     fn wall(&self, simulated_secs: f64) -> Duration {
@@ -115,24 +188,67 @@ impl BenchArgs {
 }
 
 /// Runs the benchmark and writes its outputs; returns the report.
-pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
+pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
     args.validate()?;
-    let workload = Arc::new(Workload::new(args.workload, args.seed));
+    for url in &mut args.engines {
+        // The router names an instance by its address as registered: keep one spelling.
+        *url = url.trim_end_matches('/').to_string();
+    }
+    let external = !args.engines.is_empty();
+    if external {
+        args.time_scale = 1.0;
+        args.instances = args.engines.len() as u64;
+    }
+    let workload = Arc::new(args.workload(0));
     let documents = Arc::new(workload.documents());
     let mut results = Vec::new();
-    for &strategy in &args.strategies {
-        let r = run_strategy(&args, &workload, &documents, strategy).await?;
+    let mut shares = Vec::new();
+    for (i, &strategy) in args.strategies.iter().enumerate() {
+        let (r, s) = if external {
+            // The engines keep running between strategies: fresh texts for each.
+            let w = Arc::new(args.workload(i as u64 + 1));
+            let d = Arc::new(w.documents());
+            run_strategy(&args, &w, &d, strategy).await?
+        } else {
+            run_strategy(&args, &workload, &documents, strategy).await?
+        };
         results.push(r);
+        shares.extend(s);
     }
     let report = BenchReport::new(&args, &workload, results);
+    let mut json = serde_json::to_value(&report)?;
     report.print_table();
+    if external {
+        engines::print_table(&shares);
+        json["config"]["engines"] = serde_json::json!(args.engines);
+        json["config"]["token_scale"] = serde_json::json!(args.token_scale);
+        json["config"]["text_salt"] = serde_json::json!(
+            "strategy position + 1: every strategy runs on texts of its own, so none finds \
+             another's documents in the engines' caches"
+        );
+        for (r, s) in json["results"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+            .zip(&shares)
+        {
+            r["text_salt"] = serde_json::json!(s.text_salt);
+            r["engines"] = serde_json::to_value(&s.engines)?;
+        }
+    } else if args.token_scale != 1.0 {
+        json["config"]["token_scale"] = serde_json::json!(args.token_scale);
+    }
     if let Some(path) = &args.out {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
     if let Some(path) = &args.markdown {
-        report.update_markdown(path, &command_line())?;
+        if external {
+            engines_markdown(&report, &shares, &args, path)?;
+        } else {
+            report.update_markdown(path, &command_line())?;
+        }
         eprintln!("updated {}", path.display());
     }
     if let Some(path) = &args.plot {
@@ -140,6 +256,33 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         eprintln!("wrote {}", path.display());
     }
     Ok(report)
+}
+
+/// The `--engines` run's Markdown section: named apart from engine-sim's section of the same
+/// workload (it does not replace it), with the per-engine table at its end.
+fn engines_markdown(
+    report: &BenchReport,
+    shares: &[EngineShares],
+    args: &BenchArgs,
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    let mut named = report.clone();
+    named.workload = format!("{} on {} engines", report.workload, args.engines.len());
+    named.update_markdown(path, &command_line())?;
+    // The section's end marker, as the report writes it (routers in the name when several).
+    let section = match args.routers {
+        r if r > 1 => format!("{} ({r} routers)", named.workload),
+        _ => named.workload.clone(),
+    };
+    let end = format!("<!-- /bench:{section} -->");
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let table = engines::markdown(shares);
+    let text = match text.find(&end) {
+        Some(at) => format!("{}{table}{}", &text[..at], &text[at..]),
+        None => format!("{text}{table}"),
+    };
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 fn command_line() -> String {
@@ -158,6 +301,7 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         kv_capacity_tokens: workload.kv_capacity_tokens,
         time_scale: args.time_scale,
         seed: args.seed,
+        engines: args.engines.clone(),
     }
 }
 
@@ -176,12 +320,25 @@ fn progress(total: Duration, label: String) -> indicatif::ProgressBar {
 struct Snapshot {
     at: Instant,
     engines: Vec<EngineCounters>,
+    readings: Vec<EngineReading>,
 }
 
 async fn snapshot(fleet: &Fleet) -> anyhow::Result<Snapshot> {
+    let readings = fleet.engine_readings().await?;
     Ok(Snapshot {
         at: Instant::now(),
-        engines: fleet.engine_counters().await?,
+        engines: readings
+            .iter()
+            .map(|r| {
+                let c = r.counters.map(|c| c.1).unwrap_or_default();
+                EngineCounters {
+                    queries: c.prompt_tokens,
+                    hits: c.cached_tokens,
+                    requests: c.requests.unwrap_or(0.0),
+                }
+            })
+            .collect(),
+        readings,
     })
 }
 
@@ -204,8 +361,22 @@ async fn run_strategy(
     workload: &Arc<Workload>,
     documents: &Arc<Vec<Arc<str>>>,
     strategy: RoutingStrategy,
-) -> anyhow::Result<StrategyResult> {
+) -> anyhow::Result<(StrategyResult, Option<EngineShares>)> {
     let mut fleet = Fleet::start(spec(args, workload, strategy)).await?;
+    if !args.engines.is_empty() {
+        for r in fleet.engine_readings().await? {
+            match r.counters {
+                Some((m, _)) => {
+                    eprintln!("engine {}: {} cache counters in /metrics", r.url, m.name())
+                }
+                None => eprintln!(
+                    "engine {}: no cache counters in /metrics (llama-server needs --metrics); \
+                     hit rate from the responses' usage",
+                    r.url
+                ),
+            }
+        }
+    }
     let warmup = args.wall(args.warmup);
     let measure = args.wall(args.duration);
     let start = Instant::now();
@@ -227,6 +398,7 @@ async fn run_strategy(
         format!("{} {}", workload.kind.name(), strategy.user_name()),
     );
     let mut samples: Vec<Sample> = Vec::new();
+    let mut usages: Vec<PromptUsage> = Vec::new();
     let mut first: Option<(Snapshot, metrics::Histogram)> = None;
     let mut autoscale = (args.workload == WorkloadKind::Autoscale)
         .then(|| AutoscaleRun::new(args, measure_from, measure));
@@ -235,7 +407,7 @@ async fn run_strategy(
     loop {
         tokio::select! {
             s = rx.recv() => match s {
-                Some(s) => {
+                Some(Finished { sample: s, usage }) => {
                     if s.error.is_some() {
                         errors += 1;
                         if errors <= 3 {
@@ -243,6 +415,7 @@ async fn run_strategy(
                         }
                     }
                     samples.push(s);
+                    usages.push(usage);
                 }
                 None => break,
             },
@@ -269,6 +442,7 @@ async fn run_strategy(
             Snapshot {
                 at: start,
                 engines: Vec::new(),
+                readings: Vec::new(),
             },
             metrics::Histogram::default(),
         ),
@@ -286,18 +460,35 @@ async fn run_strategy(
         Some(a) => Some(a.finish(&samples)?),
         None => None,
     };
+    let in_window = |s: &Sample| s.done >= measure_from && s.done <= stop_at;
+    let shares = (!args.engines.is_empty()).then(|| {
+        let with_usage: Vec<(&Sample, PromptUsage)> = samples
+            .iter()
+            .zip(usages.iter().copied())
+            .filter(|(s, _)| in_window(s))
+            .collect();
+        EngineShares {
+            strategy: strategy.user_name().to_string(),
+            text_salt: workload.text_salt,
+            engines: engines::windows(&begin.readings, &end.readings, &with_usage),
+        }
+    });
+    let (begin_counters, end_counters) = match &shares {
+        Some(s) => engines::counters(&s.engines),
+        None => (begin.engines, end.engines),
+    };
     let result = StrategyResult::compute(
         strategy,
         args.time_scale,
         &measured,
-        &begin.engines,
-        &end.engines,
+        &begin_counters,
+        &end_counters,
         window,
         &end_hist.since(&begin_hist),
         autoscale_report,
     );
     fleet.stop().await;
-    Ok(result)
+    Ok((result, shares))
 }
 
 /// The autoscale schedule: an instance joins at 1/3 of the measured time, one leaves at 2/3;
@@ -490,6 +681,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         workload: WorkloadKind::LongContext,
         strategies: vec![RoutingStrategy::Random],
         instances: 7,
+        engines: Vec::new(),
+        token_scale: 1.0,
         routers: 1,
         concurrency: args.concurrency,
         duration: 0.0,
@@ -529,7 +722,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tokio::select! {
-            s = rx.recv() => match s { Some(s) => samples.push(s), None => break },
+            s = rx.recv() => match s { Some(f) => samples.push(f.sample), None => break },
             _ = tick.tick() => {
                 let now = Instant::now();
                 bar.set_position(now.saturating_duration_since(start).as_millis() as u64);
