@@ -22,10 +22,156 @@ pub fn now_ms() -> u64 {
     START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
 }
 
+/// Requests of a variant per half-window of the recent-rate estimates: a window is the last
+/// 512 to 1,024 requests this router placed in the variant, whatever the request rate, so the
+/// estimates of replicas that each see a random sample of the same traffic agree.
+pub const HALF_WINDOW_REQUESTS: u64 = 512;
+
+/// Where a variant's request sequence stands: the half-window number and how far into it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Epoch {
+    pub number: u64,
+    /// Fraction of the current half-window gone, in [0, 1).
+    pub progress: f64,
+}
+
+impl Epoch {
+    pub fn of(sequence: u64) -> Self {
+        Epoch {
+            number: sequence / HALF_WINDOW_REQUESTS,
+            progress: (sequence % HALF_WINDOW_REQUESTS) as f64 / HALF_WINDOW_REQUESTS as f64,
+        }
+    }
+}
+
+/// A count over a sliding window of two half-windows: the current one, plus the previous one
+/// weighted by the part of it still inside the window. Lock-free; increments racing a rotation
+/// may land in either half (an estimate, not a ledger).
+#[derive(Debug, Default)]
+pub struct RecentCount {
+    epoch: AtomicU64,
+    halves: [AtomicU32; 2],
+}
+
+impl RecentCount {
+    pub fn add(&self, e: Epoch) {
+        rotate(&self.epoch, e.number, |slot| {
+            self.halves[slot].store(0, Relaxed)
+        });
+        self.halves[(e.number % 2) as usize].fetch_add(1, Relaxed);
+    }
+
+    pub fn value(&self, e: Epoch) -> f64 {
+        let last = self.epoch.load(Relaxed);
+        let half = |n: u64| self.halves[(n % 2) as usize].load(Relaxed) as f64;
+        if last == e.number {
+            half(e.number) + half(e.number + 1) * (1.0 - e.progress)
+        } else if last + 1 == e.number {
+            half(last) * (1.0 - e.progress)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Moves `epoch` forward to `now` and clears the half-windows that `now` reuses (`clear(slot)`
+/// for slot 0 and/or 1). One thread wins the move; the others carry on.
+fn rotate(epoch: &AtomicU64, now: u64, clear: impl Fn(usize)) {
+    let last = epoch.load(Relaxed);
+    if last >= now || epoch.compare_exchange(last, now, Relaxed, Relaxed).is_err() {
+        return;
+    }
+    if now == last + 1 {
+        clear((now % 2) as usize);
+    } else {
+        clear(0);
+        clear(1);
+    }
+}
+
+/// Cells per row of the key-rate sketch.
+const SKETCH_WIDTH: usize = 2048;
+/// Rows (independent hashes) of the key-rate sketch.
+const SKETCH_ROWS: usize = 2;
+
+/// Recent request counts per prompt key in bounded memory: a count-min sketch (each key counted
+/// in one cell per row, read as the smallest of its cells, so an estimate is never below the
+/// truth and collisions only raise it) over the same two half-windows as [`RecentCount`].
+/// 2 windows x 2 rows x 2,048 cells x 4 bytes = 32 KiB per PREFIX_AWARE variant.
+pub struct KeyRates {
+    epoch: AtomicU64,
+    /// `[half][row * SKETCH_WIDTH + cell]`
+    cells: [Box<[AtomicU32]>; 2],
+}
+
+impl std::fmt::Debug for KeyRates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyRates").finish_non_exhaustive()
+    }
+}
+
+impl Default for KeyRates {
+    fn default() -> Self {
+        let half = || {
+            (0..SKETCH_WIDTH * SKETCH_ROWS)
+                .map(|_| AtomicU32::new(0))
+                .collect()
+        };
+        KeyRates {
+            epoch: AtomicU64::new(0),
+            cells: [half(), half()],
+        }
+    }
+}
+
+impl KeyRates {
+    #[inline]
+    fn cells(key: u64) -> [usize; SKETCH_ROWS] {
+        // Keys are xxh3 hashes already: two disjoint bit ranges index the two rows.
+        [
+            (key as usize) % SKETCH_WIDTH,
+            SKETCH_WIDTH + ((key >> 32) as usize) % SKETCH_WIDTH,
+        ]
+    }
+
+    pub fn add(&self, key: u64, e: Epoch) {
+        rotate(&self.epoch, e.number, |slot| {
+            for c in self.cells[slot].iter() {
+                c.store(0, Relaxed);
+            }
+        });
+        let half = &self.cells[(e.number % 2) as usize];
+        for c in Self::cells(key) {
+            half[c].fetch_add(1, Relaxed);
+        }
+    }
+
+    /// The key's requests in the window (an over-estimate when cells collide).
+    pub fn value(&self, key: u64, e: Epoch) -> f64 {
+        let last = self.epoch.load(Relaxed);
+        let cell = |n: u64, c: usize| self.cells[(n % 2) as usize][c].load(Relaxed) as f64;
+        Self::cells(key)
+            .into_iter()
+            .map(|c| {
+                if last == e.number {
+                    cell(e.number, c) + cell(e.number + 1, c) * (1.0 - e.progress)
+                } else if last + 1 == e.number {
+                    cell(last, c) * (1.0 - e.progress)
+                } else {
+                    0.0
+                }
+            })
+            .fold(f64::INFINITY, f64::min)
+    }
+}
+
 /// Load and passive-health state of one model-server instance.
 #[derive(Debug, Default)]
 pub struct InstanceState {
     outstanding: AtomicU64,
+    /// Requests this router placed on the instance recently (PREFIX_AWARE's balance measure: the
+    /// request rate, which cache hits do not hide the way they hide in-flight counts).
+    recent: RecentCount,
     failures: AtomicU32,
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
@@ -41,6 +187,10 @@ impl InstanceState {
     /// Requests sent to the instance whose response body has not ended yet.
     pub fn outstanding(&self) -> u64 {
         self.outstanding.load(Relaxed)
+    }
+
+    pub fn recent(&self) -> &RecentCount {
+        &self.recent
     }
 
     pub fn is_ejected(&self, now_ms: u64) -> bool {
@@ -73,15 +223,46 @@ impl InstanceState {
     }
 }
 
-/// Requests in flight through one production variant (the `m` of the bounded-load cap).
+/// Load of one production variant: requests in flight (the `m` of the bounded-load cap), and
+/// the recent request rates of the variant and of its prompt keys (PREFIX_AWARE).
 #[derive(Debug, Default)]
 pub struct VariantLoad {
     outstanding: AtomicU64,
+    /// Requests placed in the variant by this router (drives the half-windows).
+    sequence: AtomicU64,
+    recent: RecentCount,
+    keys: OnceLock<KeyRates>,
 }
 
 impl VariantLoad {
     pub fn outstanding(&self) -> u64 {
         self.outstanding.load(Relaxed)
+    }
+
+    /// Where the variant's request sequence stands now.
+    pub fn epoch(&self) -> Epoch {
+        Epoch::of(self.sequence.load(Relaxed))
+    }
+
+    /// Counts one placed request for `key` (and, when the request was keyed deeper, for the
+    /// shallow key it was deepened from) on `instance`.
+    pub fn record(&self, instance: &InstanceState, keys: &[u64]) {
+        let e = Epoch::of(self.sequence.fetch_add(1, Relaxed));
+        self.recent.add(e);
+        instance.recent.add(e);
+        let rates = self.key_rates();
+        for &k in keys {
+            rates.add(k, e);
+        }
+    }
+
+    /// Requests placed in the variant within the window.
+    pub fn recent(&self, e: Epoch) -> f64 {
+        self.recent.value(e)
+    }
+
+    pub fn key_rates(&self) -> &KeyRates {
+        self.keys.get_or_init(KeyRates::default)
     }
 }
 
@@ -130,6 +311,49 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!((i.outstanding(), v.outstanding()), (0, 0));
+    }
+
+    #[test]
+    fn recent_counts_slide_over_two_half_windows() {
+        let c = RecentCount::default();
+        let h = HALF_WINDOW_REQUESTS;
+        for s in 0..h {
+            c.add(Epoch::of(s));
+        }
+        assert_eq!(c.value(Epoch::of(h - 1)), h as f64);
+        // half way into the next half-window, half of the previous one still counts
+        assert_eq!(c.value(Epoch::of(h + h / 2)), h as f64 / 2.0);
+        c.add(Epoch::of(h + h / 2));
+        assert_eq!(c.value(Epoch::of(h + h / 2)), 1.0 + h as f64 / 2.0);
+        // two half-windows with nothing: gone
+        assert_eq!(c.value(Epoch::of(3 * h)), 0.0);
+        c.add(Epoch::of(5 * h));
+        assert_eq!(c.value(Epoch::of(5 * h)), 1.0);
+    }
+
+    #[test]
+    fn key_rates_estimate_each_key_and_forget_old_windows() {
+        let k = KeyRates::default();
+        let h = HALF_WINDOW_REQUESTS;
+        let keys: Vec<u64> = (0..400u64)
+            .map(|i| xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes()))
+            .collect();
+        // key 0 is a tenth of the traffic, the rest spread
+        for s in 0..2 * h {
+            let key = if s % 10 == 0 {
+                keys[0]
+            } else {
+                keys[1 + (s as usize % 399)]
+            };
+            k.add(key, Epoch::of(s));
+        }
+        // at the end of the second half-window, the window is that half (the first has slid out)
+        let e = Epoch::of(2 * h - 1);
+        let hot = k.value(keys[0], e);
+        let expected = h as f64 / 10.0;
+        assert!((expected - 1.0..expected + 8.0).contains(&hot), "{hot}");
+        assert!(k.value(keys[7], e) < 12.0);
+        assert!(k.value(keys[0], Epoch::of(4 * h)) == 0.0);
     }
 
     #[test]

@@ -3,21 +3,37 @@
 //! PREFIX_AWARE ranks a variant's instances by rendezvous (highest random weight) hashing of the
 //! prompt key against each instance's id hash, so every router replica with the same table sends
 //! the same prompt to the same instance, and adding or removing one of n instances moves about
-//! 1/(n+1) of the keys. Bounded load (Mirrokni et al.): the key walks its ranking to the first
-//! instance whose in-flight count is under `ceil(c * (variant_in_flight + 1) / n) + 1` (the `+ 1`
-//! keeps small per-replica counts from spilling on noise; c = 1.5 by default) and under the
-//! variant's `concurrency_threshold`; a [`PrefixIndex`] remembers where a spilled key went so a
-//! hot key keeps spilling to the same second instance.
+//! 1/(n+1) of the keys. On top of that ranking it balances the request RATE, not only the
+//! in-flight count (an instance whose requests hit the cache finishes them sooner, so its
+//! in-flight count stays low while its share of requests grows):
+//! - Each router estimates, over its last 512-1,024 requests to the variant ([`KeyRates`]), the
+//!   share of traffic of every prompt key. A key with share `s` of n instances is HOT when
+//!   `s * n >= 1/4`; it is served by its first `ceil(s * n * SPREAD)` instances in rendezvous
+//!   order, each request going to the one of them that this router sent the fewest recent
+//!   requests. Hot keys so fill whichever instances the cold keys' hash placement left short,
+//!   and only they get copies. Replicas see random samples of the same traffic, so they estimate
+//!   nearly the same shares and pick the same replica sets.
+//! - A hot key that is only the head of a chat (a system prompt longer than `prefix_length`,
+//!   shared by every conversation on it) is deepened instead: the request is keyed by its
+//!   conversation ([`deep_prompt_key`]), which spreads conversations like any other key while
+//!   each conversation's turns stay together.
+//! - Cold keys take their rendezvous top choice under bounded load (Mirrokni et al.): the key
+//!   walks its ranking to the first instance whose in-flight count is under
+//!   `ceil(c * (variant_in_flight + 1) / n) + 1` (c = 1.5 by default) and under the variant's
+//!   `concurrency_threshold`; a [`PrefixIndex`] remembers where a spilled key went so it keeps
+//!   spilling to the same second instance.
 //!
 //! No allocation per decision unless a key walks past several full instances of a variant with
 //! more than 64 instances.
+//!
+//! [`KeyRates`]: crate::load::KeyRates
 
 use http::HeaderValue;
 use rand::Rng;
 
-use crate::load::now_ms;
+use crate::load::{now_ms, Epoch};
 use crate::prefix_index::PrefixIndex;
-use crate::prompt::{find_model, prompt_key, seed_for, BodyKind};
+use crate::prompt::{deep_prompt_key, find_model, prompt_key, seed_for, BodyKind};
 use crate::table::{Endpoint, PrefixAware, RoutingTable, Strategy, Variant};
 
 /// Why an instance was chosen (the `x-prefix-router-decision` header).
@@ -117,6 +133,30 @@ pub struct Route<'t> {
     pub key_blocks: u32,
 }
 
+/// A key is hot when its share of the variant's traffic times the instance count reaches this.
+pub const HOT_SHARE: f64 = 0.25;
+/// A hot key of share `s` is served by `ceil(s * n * SPREAD)` of the n instances (at most n): a
+/// key with 1/n of the traffic gets 8 candidate instances, one with 1/(4n) gets 2. Replica sets
+/// this wide let the hot keys fill the gaps the cold keys' hash placement leaves; narrower sets
+/// (s * n * 2, the copies the share alone would need) left 5-8 points of share deviation on the
+/// Zipf document workload.
+pub const SPREAD: f64 = 8.0;
+/// A head-only chat key (a long shared system prompt) is deepened to the conversation when its
+/// share times n reaches this.
+pub const DEEPEN_SHARE: f64 = 0.5;
+/// Shares are estimated only once the window holds this many of the variant's requests.
+pub const MIN_WINDOW: f64 = 64.0;
+
+/// How many instances serve a key of `share` of the traffic of `n` instances.
+pub fn replicas(share: f64, n: usize) -> usize {
+    let load = share * n as f64;
+    if load < HOT_SHARE {
+        1
+    } else {
+        ((load * SPREAD).ceil() as usize).clamp(1, n)
+    }
+}
+
 /// The router's placement policy: settings plus the local prefix index.
 #[derive(Debug)]
 pub struct Placement {
@@ -162,13 +202,20 @@ impl Placement {
                 .pick_variant(rand::rng().random::<f64>())
                 .ok_or_else(|| RouteError::NoVariant(endpoint.name().to_string()))?,
         };
-        let (key, key_blocks) = match variant.strategy() {
+        let (key, key_blocks, shallow) = match variant.strategy() {
             Strategy::PrefixAware(pa) => {
                 let seed = seed_for(req.prefix_aware_id);
-                let k = prompt_key(req.kind, req.body, pa.prefix_length as usize, seed);
-                (Some(k.hash), k.blocks)
+                let limit = pa.prefix_length as usize;
+                let k = prompt_key(req.kind, req.body, limit, seed);
+                match k.head_only && share_load(variant, k.hash) >= DEEPEN_SHARE {
+                    true => match deep_prompt_key(req.body, limit, seed) {
+                        Some(deep) => (Some(deep.hash), deep.blocks, Some(k.hash)),
+                        None => (Some(k.hash), k.blocks, None),
+                    },
+                    false => (Some(k.hash), k.blocks, None),
+                }
             }
-            _ => (None, 0),
+            _ => (None, 0, None),
         };
         let (instance, decision) =
             self.choose(variant, key, None, now_ms())
@@ -176,6 +223,13 @@ impl Placement {
                     endpoint: endpoint.name().to_string(),
                     variant: variant.name().to_string(),
                 })?;
+        if let Some(k) = key {
+            let state = variant.instances()[instance].state();
+            match shallow {
+                Some(head) => variant.load().record(state, &[k, head]),
+                None => variant.load().record(state, &[k]),
+            }
+        }
         Ok(Route {
             endpoint,
             variant,
@@ -255,7 +309,28 @@ impl Placement {
                 && !instances[i].state().is_ejected(now)
         };
         let (top, top_score) = rendezvous_top(hashes, key);
-        if ok(top) {
+        let r = replicas(share(v, key), hashes.len());
+        if r > 1 {
+            // A hot key: the least recently loaded of its first r instances.
+            let e = v.load().epoch();
+            let mut best: Option<(usize, f64, usize)> = None;
+            let walk = RendezvousWalk::new(hashes, key, top, top_score);
+            for (rank, i) in std::iter::once(top).chain(walk).take(r).enumerate() {
+                if ok(i) {
+                    let recent = instances[i].state().recent().value(e);
+                    if best.is_none_or(|b| recent < b.1) {
+                        best = Some((i, recent, rank));
+                    }
+                }
+            }
+            if let Some((i, _, rank)) = best {
+                let d = match rank {
+                    0 => Decision::PrefixHash,
+                    _ => Decision::PrefixMatch,
+                };
+                return Some((i, d));
+            }
+        } else if ok(top) {
             return Some((top, Decision::PrefixHash));
         }
         let index_key = key ^ v.salt();
@@ -274,6 +349,22 @@ impl Placement {
         }
         least_loaded(v, exclude, now).map(|i| (i, Decision::OverloadBypass))
     }
+}
+
+/// The key's share of the variant's recent requests (0 until the window holds [`MIN_WINDOW`]).
+fn share(v: &Variant, key: u64) -> f64 {
+    let load = v.load();
+    let e: Epoch = load.epoch();
+    let total = load.recent(e);
+    if total < MIN_WINDOW {
+        return 0.0;
+    }
+    (load.key_rates().value(key, e) / total).min(1.0)
+}
+
+/// The key's share times the instance count: 1.0 is a whole instance's fair share.
+fn share_load(v: &Variant, key: u64) -> f64 {
+    share(v, key) * v.instances().len() as f64
 }
 
 /// The murmur3 64-bit finalizer: a bijective mix.

@@ -10,6 +10,12 @@
 //! for chat never past the end of the FIRST user message, so every later turn of a conversation,
 //! which resends that message unchanged, has the same key.
 //!
+//! When a chat's key region ends before its first user message (a system prompt longer than
+//! `prefix_length`), every conversation on that system prompt shares the key. For such a key,
+//! when it is hot, [`deep_prompt_key`] gives the conversation's own key: the messages before the
+//! first user message whole (up to [`DEEP_HEAD_CHARS`]) plus up to `prefix_length` characters of
+//! the first user message, so later turns keep it and different conversations differ.
+//!
 //! The region is cut into 64-byte blocks with a chained hash
 //! `h_i = xxh3_64_with_seed(block_i, h_{i-1})`, `h_{-1}` = the seed (xxh3 of `x-prefix-aware-id`,
 //! or a constant); the key is the last (possibly partial) block's hash.
@@ -43,6 +49,9 @@ pub enum BodyKind {
     Raw,
 }
 
+/// Most characters of the messages before the first user message that a deep key takes in.
+pub const DEEP_HEAD_CHARS: usize = 65_536;
+
 /// Which canonical text a key was taken from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeySource {
@@ -61,6 +70,9 @@ pub struct PromptKey {
     /// Length of the key region: characters (chat, completion) or bytes (raw).
     pub len: u32,
     pub source: KeySource,
+    /// Chat only: the region ended inside the messages before the first user message, so the key
+    /// names a shared head (a long system prompt), not a conversation. See [`deep_prompt_key`].
+    pub head_only: bool,
 }
 
 /// The chain seed for a request: xxh3 of its prefix-aware id, or [`DEFAULT_SEED`].
@@ -75,11 +87,28 @@ pub fn seed_for(prefix_aware_id: Option<&[u8]>) -> u64 {
 /// raw bytes.
 pub fn prompt_key(kind: BodyKind, body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
     if kind == BodyKind::OpenAi {
-        if let Some(key) = json_key(body, prefix_length, seed) {
+        if let Some(key) = json_key(body, prefix_length, seed, Depth::Shallow) {
             return key;
         }
     }
     raw_key(body, prefix_length, seed)
+}
+
+/// The conversation key of a chat whose [`prompt_key`] is `head_only`: the whole head (up to
+/// [`DEEP_HEAD_CHARS`]) and `prefix_length` characters of the first user message. `None` when
+/// the body has no such key (not a chat, no user message, or a head longer than the bound).
+pub fn deep_prompt_key(body: &[u8], prefix_length: usize, seed: u64) -> Option<PromptKey> {
+    let key = json_key(body, prefix_length, seed, Depth::Deep)?;
+    (key.source == KeySource::Chat && !key.head_only).then_some(key)
+}
+
+/// How far a chat key reaches.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Depth {
+    /// `limit` characters from the start, never past the first user message.
+    Shallow,
+    /// The head whole, then `limit` characters of the first user message.
+    Deep,
 }
 
 /// The key of the first `prefix_length` bytes.
@@ -93,6 +122,7 @@ pub fn raw_key(body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
         blocks,
         len: region.len() as u32,
         source: KeySource::Raw,
+        head_only: false,
     }
 }
 
@@ -210,6 +240,10 @@ impl TextKey {
     }
 
     fn finish(&self, source: KeySource) -> Option<PromptKey> {
+        self.finish_chat(source, false)
+    }
+
+    fn finish_chat(&self, source: KeySource, head_only: bool) -> Option<PromptKey> {
         if self.bad {
             return None;
         }
@@ -219,7 +253,14 @@ impl TextKey {
             blocks,
             len: self.chars as u32,
             source,
+            head_only,
         })
+    }
+
+    /// A fresh budget of `limit` characters from here on (the deep key's first user message).
+    fn restart_budget(&mut self, limit: usize) {
+        self.remaining = limit;
+        self.full = limit == 0 || self.bad;
     }
 }
 
@@ -588,7 +629,7 @@ fn stream_string(s: &mut Scan<'_>, key: &mut TextKey) -> Option<()> {
 }
 
 /// The key of an OpenAI body, or `None` to fall back to the raw bytes.
-fn json_key(body: &[u8], limit: usize, seed: u64) -> Option<PromptKey> {
+fn json_key(body: &[u8], limit: usize, seed: u64, depth: Depth) -> Option<PromptKey> {
     let mut s = Scan::new(body);
     if !s.eat(b'{') {
         return None;
@@ -599,7 +640,7 @@ fn json_key(body: &[u8], limit: usize, seed: u64) -> Option<PromptKey> {
     loop {
         let k = s.key()?;
         if s.is(k, "messages") {
-            return chat_key(&mut s, limit, seed);
+            return chat_key(&mut s, limit, seed, depth);
         }
         if s.is(k, "prompt") {
             return completion_key(&mut s, limit, seed);
@@ -636,11 +677,25 @@ enum Content {
     Parts(usize),
 }
 
-fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
+fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<PromptKey> {
     if !s.eat(b'[') {
         return None;
     }
-    let mut key = TextKey::new(limit, seed);
+    let mut key = TextKey::new(
+        match depth {
+            Depth::Shallow => limit,
+            Depth::Deep => DEEP_HEAD_CHARS,
+        },
+        seed,
+    );
+    // The key ends here: `head_only` when no user message has been reached.
+    let done = |key: &TextKey, user: bool| key.finish_chat(KeySource::Chat, !user);
+    // Before a message's text is fed: the deep key gives the first user message its own budget.
+    let start = |key: &mut TextKey, user: bool| {
+        if user && depth == Depth::Deep {
+            key.restart_budget(limit);
+        }
+    };
     if s.eat(b']') {
         return key.finish(KeySource::Chat);
     }
@@ -660,22 +715,26 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
                     s.ws();
                     match (s.peek()?, role) {
                         (b'"', Some(r)) => {
+                            let user = s.is(r, "user");
+                            start(&mut key, user);
                             emit_span(s.b, r, &mut key)?;
                             key.push(b"\n");
                             stream_string(s, &mut key)?;
                             if key.full {
-                                return key.finish(KeySource::Chat);
+                                return done(&key, user);
                             }
                             emitted = true;
                         }
                         (b'"', None) => content = Content::Text(s.string()?),
                         (b'[', Some(r)) => {
+                            let user = s.is(r, "user");
+                            start(&mut key, user);
                             emit_span(s.b, r, &mut key)?;
                             key.push(b"\n");
                             let mut parts = Scan { b: s.b, pos: s.pos };
                             emit_parts(&mut parts, &mut key)?;
                             if key.full {
-                                return key.finish(KeySource::Chat);
+                                return done(&key, user);
                             }
                             s.pos = parts.pos;
                             emitted = true;
@@ -696,7 +755,9 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
             }
         }
         let role = role?;
+        let user = s.is(role, "user");
         if !emitted {
+            start(&mut key, user);
             emit_span(s.b, role, &mut key)?;
             key.push(b"\n");
             match content {
@@ -706,11 +767,11 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
             }
         }
         key.push(b"\n");
-        if key.full || s.is(role, "user") {
-            return key.finish(KeySource::Chat);
+        if key.full || user {
+            return done(&key, user);
         }
         if !s.next_or_close(b']')? {
-            return key.finish(KeySource::Chat);
+            return done(&key, false);
         }
     }
 }

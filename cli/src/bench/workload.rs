@@ -21,6 +21,9 @@ pub enum WorkloadKind {
     Sharegpt,
     /// A few 2,500-token system prompts shared by many multi-turn users.
     SystemPromptChat,
+    /// A few popular 3,000-token system prompts, each longer than the variant's `prefix_length`
+    /// (so every user of one prompt shares one key), with many multi-turn users each.
+    SystemPromptLong,
     /// long-context while an instance joins and later one leaves.
     Autoscale,
 }
@@ -31,6 +34,7 @@ impl WorkloadKind {
             WorkloadKind::LongContext => "long-context",
             WorkloadKind::Sharegpt => "sharegpt",
             WorkloadKind::SystemPromptChat => "system-prompt-chat",
+            WorkloadKind::SystemPromptLong => "system-prompt-long",
             WorkloadKind::Autoscale => "autoscale",
         }
     }
@@ -105,6 +109,9 @@ pub struct Workload {
     /// Suggested PREFIX_AWARE `prefix_length` (characters) covering the shared part plus the
     /// start of the unique part, as the reference product's docs advise.
     pub prefix_length: u32,
+    /// Mixed into every generated text: two workloads with different salts share no prefix, so
+    /// one strategy's run does not inherit another's warm cache on engines that keep running.
+    pub text_salt: u64,
     #[serde(skip)]
     vocabulary: Vec<String>,
 }
@@ -126,6 +133,7 @@ impl Workload {
             reply_tokens_median: 0.0,
             answer_tokens: 0,
             prefix_length: 4096,
+            text_salt: 0,
             vocabulary: vocabulary(seed),
         };
         match kind {
@@ -159,14 +167,34 @@ impl Workload {
                 w.kv_capacity_tokens = 48_000;
                 w.prefix_length = 16384;
             }
+            WorkloadKind::SystemPromptLong => {
+                // 4 system prompts of 3,000 tokens (12,000 characters) against a prefix_length
+                // of 4,096 characters: the key never reaches a user's own text.
+                w.system_prompts = 4;
+                w.system_prompt_tokens = 3000;
+                w.min_turns = 3;
+                w.max_turns = 10;
+                w.user_tokens_median = 80.0;
+                w.reply_tokens_median = 120.0;
+                w.kv_capacity_tokens = 48_000;
+                w.prefix_length = 4096;
+            }
         }
         w
     }
 
+    /// The same workload with every text changed (see [`Workload::text_salt`]).
+    pub fn with_text_salt(mut self, salt: u64) -> Self {
+        self.text_salt = salt;
+        self.vocabulary = vocabulary(self.seed ^ salt.wrapping_mul(0xA24B_AED4_963E_E407));
+        self
+    }
+
     /// Deterministic text of about `tokens` tokens, a function of `stream` only.
     pub fn text(&self, stream: u64, tokens: usize) -> String {
-        let mut rng =
-            SmallRng::seed_from_u64(self.seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng = SmallRng::seed_from_u64(
+            self.seed ^ self.text_salt ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
         self.text_from(&mut rng, tokens)
     }
 
@@ -195,7 +223,12 @@ impl Workload {
 
     pub fn system_prompt(&self, i: usize) -> String {
         format!(
-            "You are assistant #{i}. {}",
+            "You are assistant #{i}{}. {}",
+            if self.text_salt == 0 {
+                String::new()
+            } else {
+                format!(" (run {})", self.text_salt)
+            },
             self.text(2_000_000 + i as u64, self.system_prompt_tokens)
         )
     }
@@ -256,9 +289,9 @@ impl ClientState {
         self.served += 1;
         match w.kind {
             WorkloadKind::LongContext | WorkloadKind::Autoscale => self.next_document(w, documents),
-            WorkloadKind::Sharegpt | WorkloadKind::SystemPromptChat => {
-                self.next_turn(w, last_reply)
-            }
+            WorkloadKind::Sharegpt
+            | WorkloadKind::SystemPromptChat
+            | WorkloadKind::SystemPromptLong => self.next_turn(w, last_reply),
         }
     }
 
@@ -362,6 +395,33 @@ mod tests {
         // Overflows one engine, fits the fleet of 7.
         let pool = (w.documents * w.document_tokens) as u64;
         assert!(pool > w.kv_capacity_tokens && pool < 7 * w.kv_capacity_tokens);
+    }
+
+    #[test]
+    fn salted_workloads_share_no_text() {
+        for kind in [WorkloadKind::LongContext, WorkloadKind::SystemPromptLong] {
+            let a = Workload::new(kind, 1);
+            let b = Workload::new(kind, 1).with_text_salt(1);
+            let (da, db) = (docs(&a), docs(&b));
+            let ra = a.client(0).next(&a, &da, None);
+            let rb = b.client(0).next(&b, &db, None);
+            let (ta, tb) = (&ra.messages[0].content, &rb.messages[0].content);
+            let common = ta
+                .bytes()
+                .zip(tb.bytes())
+                .take_while(|(x, y)| x == y)
+                .count();
+            assert!(common < 64, "{kind:?}: {common} bytes in common");
+        }
+    }
+
+    #[test]
+    fn system_prompt_long_prompts_outgrow_the_key() {
+        let w = Workload::new(WorkloadKind::SystemPromptLong, 1);
+        assert!(w.system_prompt(0).chars().count() > w.prefix_length as usize);
+        let mut c = w.client(0);
+        let r = c.next(&w, &[], None);
+        assert_eq!(r.messages[0].role, "system");
     }
 
     #[test]
