@@ -1,0 +1,615 @@
+//! Against real inference servers: llama.cpp's `llama-server` on CPU, serving a tiny random-weight
+//! Llama model written at test time (`scripts/llama-server/tiny_model.py`, Python `gguf`).
+//!
+//! The binary comes from `scripts/llama-server/build.sh` (built once per machine into its cache
+//! directory) or from `$LLAMA_SERVER`. When the binary or Python's `gguf` is missing, each test
+//! says it skipped and passes; with `CI=true` it fails instead (`.ci/run` installs both).
+//!
+//! Placement is checked by the engines' own counters (`llamacpp:prompt_tokens_cached_total`), not
+//! by the router's headers alone: PREFIX_AWARE sends every request of a long shared prefix to one
+//! engine, whose cache then serves all but the first; RANDOM spreads them, and every engine that
+//! sees the prefix computes it once.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use integration_tests::{variant, wait_for, InProcessControlPlane};
+use proto::RoutingStrategy;
+
+/// The tests share two cores: one fleet of llama-servers at a time.
+static ONE_FLEET: Mutex<()> = Mutex::new(());
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace root")
+        .to_path_buf()
+}
+
+/// Where build.sh caches its binaries (mirrors the script).
+fn cache_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("PREFIX_ROUTER_CACHE") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache")
+        });
+    base.join("prefix-router")
+}
+
+fn llama_server_binary() -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var("LLAMA_SERVER") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("LLAMA_SERVER={} is not a file", p.display()))
+        };
+    }
+    let dir = cache_dir().join("llama-server");
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("llama-server"))
+        .filter(|p| p.is_file())
+        .collect();
+    found.sort();
+    found.pop().ok_or_else(|| {
+        format!(
+            "no llama-server under {} and LLAMA_SERVER is not set (build it with scripts/llama-server/build.sh)",
+            dir.display()
+        )
+    })
+}
+
+fn tiny_model(dir: &Path) -> Result<PathBuf, String> {
+    let out = dir.join("tiny-llama.gguf");
+    let script = workspace().join("scripts/llama-server/tiny_model.py");
+    let result = Command::new("python3")
+        .arg(&script)
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run python3: {e}"))?;
+    if !result.status.success() {
+        return Err(format!(
+            "{} failed ({}): {}",
+            script.display(),
+            result.status,
+            String::from_utf8_lossy(&result.stderr).trim()
+        ));
+    }
+    Ok(out)
+}
+
+/// The binary and a fresh model, or `None` (after saying why) when this machine lacks them.
+/// Under CI (`CI=true`) a missing prerequisite fails the test.
+fn prerequisites(test: &str, dir: &Path) -> Option<(PathBuf, PathBuf)> {
+    let found = llama_server_binary().and_then(|bin| tiny_model(dir).map(|m| (bin, m)));
+    match found {
+        Ok(x) => Some(x),
+        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("{test}: required under CI=true, but {why}")
+        }
+        Err(why) => {
+            eprintln!("{test}: skipped: {why}");
+            None
+        }
+    }
+}
+
+/// One llama-server child process; killed on drop.
+struct LlamaServer {
+    child: Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl LlamaServer {
+    /// One thread, one slot, flash attention off, `--cache-ram` MiB of prompt cache, metrics on.
+    fn start(bin: &Path, model: &Path, dir: &Path, cache_ram_mib: u32) -> Self {
+        // A free port: bound, read, released; llama-server binds it right after.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free loopback port")
+            .port();
+        let log = dir.join(format!("llama-server-{port}.log"));
+        let child = Command::new(bin)
+            .args(["-m", model.to_str().unwrap(), "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string()])
+            .args([
+                "-t", "1", "-tb", "1", "-np", "1", "-fa", "off", "-c", "4096",
+            ])
+            .args(["--cache-ram", &cache_ram_mib.to_string(), "--metrics"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("a log file"))
+            .spawn()
+            .expect("llama-server starts");
+        LlamaServer {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+type Http = Client<HttpConnector, Full<Bytes>>;
+
+async fn get(http: &Http, url: &str) -> Option<(u16, String)> {
+    let req = http::Request::get(url).body(Full::new(Bytes::new())).ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), http.request(req))
+        .await
+        .ok()?
+        .ok()?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Starts `n` servers and waits until each answers `/health` with 200.
+async fn start_fleet(
+    http: &Http,
+    bin: &Path,
+    model: &Path,
+    dir: &Path,
+    n: usize,
+) -> Vec<LlamaServer> {
+    let servers: Vec<LlamaServer> = (0..n)
+        .map(|_| LlamaServer::start(bin, model, dir, 16))
+        .collect();
+    for s in &servers {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some((200, _)) = get(http, &format!("{}/health", s.url)).await {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "llama-server {} not healthy within 60 s; its log ends:\n{}",
+                s.url,
+                s.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    servers
+}
+
+/// `llamacpp:prompt_tokens_cached_total` and `llamacpp:prompt_tokens_total` of one server.
+async fn cache_counters(http: &Http, url: &str) -> (f64, f64) {
+    let (status, text) = get(http, &format!("{url}/metrics"))
+        .await
+        .unwrap_or_else(|| panic!("GET {url}/metrics"));
+    assert_eq!(status, 200, "GET {url}/metrics: {text}");
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("{name} missing in {url}/metrics:\n{text}"))
+    };
+    (
+        value("llamacpp:prompt_tokens_cached_total"),
+        value("llamacpp:prompt_tokens_total"),
+    )
+}
+
+/// What one routed request got back.
+#[derive(Debug)]
+struct Routed {
+    instance: String,
+    decision: String,
+    text: String,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// Sends one chat or completions request through the router, streaming or not, and checks the
+/// answer is whole: text, usage, and for a stream the closing `[DONE]`.
+async fn send(http: &Http, router: &str, chat: bool, stream: bool, prompt: &str) -> Routed {
+    let (path, mut body) = if chat {
+        (
+            "/v1/chat/completions",
+            serde_json::json!({"model": "llama", "messages": [{"role": "user", "content": prompt}]}),
+        )
+    } else {
+        (
+            "/v1/completions",
+            serde_json::json!({"model": "llama", "prompt": prompt}),
+        )
+    };
+    body["max_tokens"] = 8.into();
+    if stream {
+        body["stream"] = true.into();
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+    }
+    let req = http::Request::post(format!("{router}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(60), http.request(req))
+        .await
+        .expect("an answer within 60 s")
+        .expect("the data plane answers");
+    let status = resp.status();
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (instance, decision) = (
+        header("x-prefix-router-instance"),
+        header("x-prefix-router-decision"),
+    );
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("a whole body")
+        .to_bytes();
+    let raw = String::from_utf8_lossy(&bytes).into_owned();
+    assert!(
+        status.is_success(),
+        "{path} (stream {stream}): HTTP {status}: {raw}"
+    );
+    let events: Vec<serde_json::Value> = if stream {
+        assert!(
+            raw.trim_end().ends_with("data: [DONE]"),
+            "{path}: the stream ends with [DONE]: {raw}"
+        );
+        raw.split("\n\n")
+            .filter_map(|e| e.trim().strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{path}: event {d}: {e}")))
+            .collect()
+    } else {
+        vec![serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{path}: {raw}: {e}"))]
+    };
+    let text_at = match (chat, stream) {
+        (true, true) => "/choices/0/delta/content",
+        (true, false) => "/choices/0/message/content",
+        (false, _) => "/choices/0/text",
+    };
+    let text: String = events
+        .iter()
+        .filter_map(|e| e.pointer(text_at).and_then(|t| t.as_str()))
+        .collect();
+    let usage = events
+        .iter()
+        .find_map(|e| e.get("usage").filter(|u| u.is_object()))
+        .unwrap_or_else(|| panic!("{path} (stream {stream}): no usage in {raw}"));
+    let n = |p: &str| {
+        usage
+            .pointer(p)
+            .and_then(|v| v.as_u64())
+            .unwrap_or_else(|| panic!("{p} in {usage}"))
+    };
+    Routed {
+        instance,
+        decision,
+        text,
+        prompt_tokens: n("/prompt_tokens"),
+        cached_tokens: n("/prompt_tokens_details/cached_tokens"),
+    }
+}
+
+/// About `chars` characters of lowercase pseudo-words, different for each `seed`.
+fn document(seed: u64, chars: usize) -> String {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut s = String::with_capacity(chars + 10);
+    while s.len() < chars {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = 2 + (x % 8) as usize;
+        for i in 0..len {
+            s.push((b'a' + ((x >> (8 + 5 * i)) % 26) as u8) as char);
+        }
+        s.push(' ');
+    }
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_aware_places_a_shared_prefix_on_one_llama_server_and_its_cache_serves_it() {
+    let _one = ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let Some((bin, model)) = prerequisites("real_engines::prefix_aware", dir.path()) else {
+        return;
+    };
+    let http: Http = Client::builder(TokioExecutor::new()).build_http();
+    let servers = start_fleet(&http, &bin, &model, dir.path(), 3).await;
+    let urls: Vec<&str> = servers.iter().map(|s| s.url.as_str()).collect();
+
+    let control_plane = InProcessControlPlane::start(&dir.path().join("cp")).await;
+    let client = proto::client::Client::connect(control_plane.url.clone())
+        .await
+        .unwrap();
+    client
+        .create_endpoint_config(
+            "llama",
+            vec![variant("v1", RoutingStrategy::PrefixAware, &urls)],
+        )
+        .await
+        .unwrap();
+    client.create_endpoint("llama", "llama").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router = format!("http://{}", listener.local_addr().unwrap());
+    let config = data_plane::Config {
+        control_plane: control_plane.url.clone(),
+        node_id: Some("dp-real-engines".into()),
+        default_endpoint: Some("llama".into()),
+        ..data_plane::Config::default()
+    };
+    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
+    wait_for(
+        "the data plane to apply a routing table",
+        Duration::from_secs(15),
+        || async {
+            matches!(
+                get(&http, &format!("{router}/readyz")).await,
+                Some((200, _))
+            )
+            .then_some(())
+        },
+    )
+    .await;
+
+    let counters = || async {
+        let mut v = Vec::new();
+        for u in &urls {
+            v.push(cache_counters(&http, u).await);
+        }
+        v
+    };
+
+    // PREFIX_AWARE: four requests on one 3,000-character document (longer than the variant's
+    // 2,048-character prefix_length), streaming and not; first as chats, then as completions.
+    for (round, chat) in [(1u64, true), (2, false)] {
+        let doc = document(round, 3000);
+        let before = counters().await;
+        let mut answers = Vec::new();
+        for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+            let r = send(
+                &http,
+                &router,
+                chat,
+                stream,
+                &format!("{doc}\nQuestion {i}: why?"),
+            )
+            .await;
+            assert!(
+                !r.text.is_empty(),
+                "chat {chat}, stream {stream}: no text in {r:?}"
+            );
+            assert!(
+                r.decision.starts_with("prefix_"),
+                "a prefix placement, not a bypass: {r:?}"
+            );
+            answers.push(r);
+        }
+        let home = answers[0].instance.clone();
+        assert!(
+            answers.iter().all(|r| r.instance == home),
+            "chat {chat}: one prefix, one engine: {answers:#?}"
+        );
+        let after = counters().await;
+        let at = urls
+            .iter()
+            .position(|u| *u == home)
+            .expect("a known instance");
+        let cached = after[at].0 - before[at].0;
+        // The first request computes the document, the next three find it in the engine's cache.
+        let doc_tokens = answers[0].prompt_tokens as f64;
+        assert!(
+            cached >= 3.0 * 0.9 * doc_tokens,
+            "chat {chat}: {home} cached {cached} tokens over 3 repeats of a {doc_tokens}-token prompt"
+        );
+        assert!(
+            answers[0].cached_tokens < answers[0].prompt_tokens / 2,
+            "{:?}",
+            answers[0]
+        );
+        for r in &answers[1..] {
+            assert!(r.cached_tokens as f64 >= 0.9 * doc_tokens, "a hit: {r:?}");
+        }
+        for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+            if i != at {
+                assert_eq!(
+                    a, b,
+                    "{} served nothing, so its counters stand still",
+                    urls[i]
+                );
+            }
+        }
+    }
+
+    // RANDOM: twelve chats on a new document spread over the engines, and every engine that
+    // gets it computes it once. Between the two, the router's idle keep-alive connections to the
+    // engines outlive llama-server's keep-alive timeout (5 s), which closes them without notice:
+    // the requests after it must not fail.
+    client
+        .update_endpoint_config(
+            "llama",
+            vec![variant("v1", RoutingStrategy::Random, &urls)],
+            None,
+        )
+        .await
+        .unwrap();
+    wait_for(
+        "the RANDOM table to roll out",
+        Duration::from_secs(15),
+        || async {
+            let d = client.describe_endpoint("llama").await.ok()?;
+            (!d.data_planes.is_empty() && d.rolled_out()).then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let doc = document(3, 3000);
+    let before = counters().await;
+    let mut answers = Vec::new();
+    for i in 0..12 {
+        let r = send(
+            &http,
+            &router,
+            true,
+            i % 2 == 1,
+            &format!("{doc}\nQuestion {i}: how?"),
+        )
+        .await;
+        assert_eq!(r.decision, "random", "{r:?}");
+        answers.push(r);
+    }
+    let after = counters().await;
+    let mut engines: Vec<&str> = answers.iter().map(|r| r.instance.as_str()).collect();
+    engines.sort();
+    engines.dedup();
+    assert!(
+        engines.len() >= 2,
+        "RANDOM spreads twelve requests: {engines:?}"
+    );
+    let misses = answers
+        .iter()
+        .filter(|r| r.cached_tokens < r.prompt_tokens / 2)
+        .count();
+    assert_eq!(
+        misses,
+        engines.len(),
+        "each engine computes the document once, then its cache serves it: {answers:#?}"
+    );
+    let computed: f64 = after.iter().zip(&before).map(|(a, b)| a.1 - b.1).sum();
+    let doc_tokens = answers[0].prompt_tokens as f64;
+    assert!(
+        computed >= engines.len() as f64 * 0.9 * doc_tokens,
+        "the engines' own counters show {} cold prefills: {computed} tokens computed",
+        engines.len()
+    );
+    control_plane.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_engines_reads_llama_server_counters_and_prefix_aware_raises_the_hit_rate() {
+    let _one = ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let Some((bin, model)) = prerequisites("real_engines::bench_engines", dir.path()) else {
+        return;
+    };
+    let http: Http = Client::builder(TokioExecutor::new()).build_http();
+    let servers = start_fleet(&http, &bin, &model, dir.path(), 3).await;
+    let engines = servers
+        .iter()
+        .map(|s| s.url.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    let out = dir.path().join("bench.json");
+    let md = dir.path().join("BENCHMARKS.md");
+    let run = tokio::task::spawn_blocking({
+        let (out, md) = (out.clone(), md.clone());
+        move || {
+            Command::new(integration_tests::bin("prefixctl"))
+                .args(["bench", "--engines", &engines, "--workload", "long-context"])
+                .args([
+                    "--strategies",
+                    "RANDOM,PREFIX_AWARE",
+                    "--token-scale",
+                    "0.05",
+                ])
+                .args(["--duration", "10", "--warmup", "4", "--concurrency", "4"])
+                .args([
+                    "--out",
+                    out.to_str().unwrap(),
+                    "--markdown",
+                    md.to_str().unwrap(),
+                ])
+                .stdin(Stdio::null())
+                .output()
+                .expect("prefixctl runs")
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "prefixctl bench --engines failed ({}):\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(report["workload"], "long-context");
+    assert_eq!(
+        report["config"]["time_scale"], 1.0,
+        "real time with --engines"
+    );
+    assert_eq!(report["config"]["instances"], 3);
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    for (i, r) in results.iter().enumerate() {
+        assert_eq!(r["errors"], 0, "{r}");
+        assert!(r["requests"].as_u64().unwrap() > 20, "{r}");
+        assert_eq!(
+            r["text_salt"],
+            i as u64 + 1,
+            "fresh texts per strategy: {r}"
+        );
+        let per_engine = r["engines"].as_array().unwrap();
+        assert_eq!(per_engine.len(), 3, "{r}");
+        for e in per_engine {
+            assert_eq!(
+                e["tokens_from"], "llama.cpp",
+                "the engine's own counters: {e}"
+            );
+            assert_eq!(e["requests_from"], "router-header", "{e}");
+        }
+        let shares: f64 = r["instance_share"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_f64().unwrap())
+            .sum();
+        assert!((shares - 1.0).abs() < 1e-9, "{r}");
+    }
+    let hit = |i: usize| results[i]["kv_hit_rate"].as_f64().unwrap();
+    assert_eq!(results[1]["strategy"], "PREFIX_AWARE");
+    assert!(
+        hit(1) > hit(0) + 0.1,
+        "PREFIX_AWARE {:.3} vs RANDOM {:.3} on llama-server's own counters:\n{stdout}",
+        hit(1),
+        hit(0)
+    );
+    assert!(stdout.contains("per engine"), "{stdout}");
+    let md = std::fs::read_to_string(&md).unwrap();
+    assert!(md.contains("### long-context on 3 engines"), "{md}");
+    assert!(md.contains("Per engine"), "{md}");
+}
