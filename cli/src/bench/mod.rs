@@ -171,7 +171,8 @@ impl BenchArgs {
         }
         let f = self.token_scale;
         if f != 1.0 {
-            let scale = |n: usize| ((n as f64 * f).round() as usize).max(1);
+            // Sizes the workload does not use (0) stay 0.
+            let scale = |n: usize| ((n as f64 * f).round() as usize).max(n.min(1));
             w.document_tokens = scale(w.document_tokens);
             w.system_prompt_tokens = scale(w.system_prompt_tokens);
             w.user_tokens_median *= f;
@@ -363,7 +364,7 @@ async fn run_strategy(
     strategy: RoutingStrategy,
 ) -> anyhow::Result<(StrategyResult, Option<EngineShares>)> {
     let mut fleet = Fleet::start(spec(args, workload, strategy)).await?;
-    if !args.engines.is_empty() {
+    if !args.engines.is_empty() && args.strategies.first() == Some(&strategy) {
         for r in fleet.engine_readings().await? {
             match r.counters {
                 Some((m, _)) => {
@@ -764,4 +765,83 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     fleet.stop().await;
     report::print_demo(&random, &prefix);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied())).map(|c| c.bench)
+    }
+
+    #[test]
+    fn engines_flags() {
+        let sims = parse(&[]).unwrap();
+        assert!(sims.engines.is_empty());
+        assert_eq!((sims.duration, sims.warmup), (300.0, 60.0));
+        // Real engines run in real time: shorter defaults.
+        let real = parse(&["--engines", "http://127.0.0.1:8001,http://127.0.0.1:8002/"]).unwrap();
+        assert_eq!(
+            real.engines,
+            ["http://127.0.0.1:8001", "http://127.0.0.1:8002/"]
+        );
+        assert_eq!((real.duration, real.warmup), (120.0, 30.0));
+        real.validate().unwrap();
+        let given = parse(&["--engines", "http://h:1", "--duration", "9"]).unwrap();
+        assert_eq!(given.duration, 9.0);
+        // No time scale and no instance count for engines that already run.
+        for other in [["--time-scale", "0.5"], ["--instances", "3"]] {
+            let e = parse(&["--engines", "http://h:1", other[0], other[1]])
+                .err()
+                .unwrap();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+        }
+        let invalid = |args: &[&str]| parse(args).unwrap().validate().unwrap_err().to_string();
+        let e = invalid(&["--engines", "http://h:1", "--workload", "autoscale"]);
+        assert!(e.contains("--workload autoscale"), "{e}");
+        for url in ["h:1", "https://h:1", "http://h:1/v1", "http://"] {
+            let e = invalid(&["--engines", url]);
+            assert!(e.contains(&format!("{url:?}")), "{e}");
+        }
+        let e = invalid(&["--engines", "http://h:1,http://h:1"]);
+        assert!(e.contains("given twice"), "{e}");
+        let e = invalid(&["--token-scale", "0"]);
+        assert!(e.contains("--token-scale 0"), "{e}");
+    }
+
+    #[test]
+    fn token_scale_shrinks_the_workload_and_its_key() {
+        let args = parse(&["--workload", "long-context", "--token-scale", "0.1"]).unwrap();
+        let w = args.workload(0);
+        let full = Workload::new(WorkloadKind::LongContext, 1);
+        assert_eq!(w.document_tokens, full.document_tokens / 10);
+        assert_eq!(w.kv_capacity_tokens, full.kv_capacity_tokens / 10);
+        assert_eq!(
+            w.prefix_length,
+            (full.prefix_length as f64 / 10.0).round() as u32
+        );
+        assert_eq!(w.system_prompt_tokens, 0, "unused sizes stay unused");
+        assert_eq!(w.documents, full.documents, "as many documents");
+        let chat = parse(&["--workload", "system-prompt-long", "--token-scale", "0.1"]).unwrap();
+        let c = chat.workload(2);
+        assert_eq!(c.system_prompt_tokens, 300);
+        assert_eq!(c.text_salt, 2);
+        assert!(
+            c.system_prompt(0).chars().count() > c.prefix_length as usize,
+            "still longer than the key"
+        );
+        assert_ne!(
+            c.system_prompt(0),
+            chat.workload(3).system_prompt(0),
+            "salted apart"
+        );
+    }
 }
