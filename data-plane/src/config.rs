@@ -43,8 +43,9 @@ pub struct Config {
     pub prefix_index_capacity: usize,
 
     /// Bounded-load factor in percent: an instance takes a key only while its in-flight count is
-    /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1.
-    #[arg(long, default_value_t = 150, value_parser = clap::value_parser!(u32).range(100..=1000))]
+    /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1. (PREFIX_AWARE balances
+    /// request rates by spreading hot keys; this cap only guards against bursts.)
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(100..=1000))]
     pub hash_balance_factor: u32,
 
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.
@@ -110,7 +111,7 @@ mod tests {
         assert_eq!(c.max_body_bytes, 8 << 20);
         assert_eq!(c.request_timeout_ms, 300_000);
         assert_eq!(c.prefix_index_capacity, 100_000);
-        assert_eq!(c.hash_balance_factor, 150);
+        assert_eq!(c.hash_balance_factor, 200);
         assert!(!c.resolved_node_id().is_empty());
         // one worker thread per CPU unless told
         assert_eq!(
@@ -122,12 +123,12 @@ mod tests {
             "--node-id",
             "n1",
             "--hash-balance-factor",
-            "200",
+            "250",
             "--workers",
             "3",
         ]);
         assert_eq!(c.resolved_node_id(), "n1");
-        assert_eq!(c.hash_balance_factor, 200);
+        assert_eq!(c.hash_balance_factor, 250);
         assert_eq!(c.resolved_workers(), 3);
         assert!(Config::try_parse_from(["data-plane", "--hash-balance-factor", "99"]).is_err());
     }

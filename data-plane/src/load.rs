@@ -23,9 +23,9 @@ pub fn now_ms() -> u64 {
 }
 
 /// Requests of a variant per half-window of the recent-rate estimates: a window is the last
-/// 512 to 1,024 requests this router placed in the variant, whatever the request rate, so the
+/// 2,048 to 4,096 requests this router placed in the variant, whatever the request rate, so the
 /// estimates of replicas that each see a random sample of the same traffic agree.
-pub const HALF_WINDOW_REQUESTS: u64 = 512;
+pub const HALF_WINDOW_REQUESTS: u64 = 2048;
 
 /// Where a variant's request sequence stands: the half-window number and how far into it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -90,14 +90,14 @@ fn rotate(epoch: &AtomicU64, now: u64, clear: impl Fn(usize)) {
 }
 
 /// Cells per row of the key-rate sketch.
-const SKETCH_WIDTH: usize = 2048;
+const SKETCH_WIDTH: usize = 4096;
 /// Rows (independent hashes) of the key-rate sketch.
 const SKETCH_ROWS: usize = 2;
 
 /// Recent request counts per prompt key in bounded memory: a count-min sketch (each key counted
 /// in one cell per row, read as the smallest of its cells, so an estimate is never below the
 /// truth and collisions only raise it) over the same two half-windows as [`RecentCount`].
-/// 2 windows x 2 rows x 2,048 cells x 4 bytes = 32 KiB per PREFIX_AWARE variant.
+/// 2 windows x 2 rows x 4,096 cells x 4 bytes = 64 KiB per PREFIX_AWARE variant.
 pub struct KeyRates {
     epoch: AtomicU64,
     /// `[half][row * SKETCH_WIDTH + cell]`

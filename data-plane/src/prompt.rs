@@ -73,6 +73,9 @@ pub struct PromptKey {
     /// Chat only: the region ended inside the messages before the first user message, so the key
     /// names a shared head (a long system prompt), not a conversation. See [`deep_prompt_key`].
     pub head_only: bool,
+    /// Deep keys only: the first user message is the last message (a conversation's first turn,
+    /// which no instance can have cached beyond the shared head).
+    pub first_turn: bool,
 }
 
 /// The chain seed for a request: xxh3 of its prefix-aware id, or [`DEFAULT_SEED`].
@@ -123,6 +126,7 @@ pub fn raw_key(body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
         len: region.len() as u32,
         source: KeySource::Raw,
         head_only: false,
+        first_turn: false,
     }
 }
 
@@ -254,6 +258,7 @@ impl TextKey {
             len: self.chars as u32,
             source,
             head_only,
+            first_turn: false,
         })
     }
 
@@ -688,8 +693,15 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
         },
         seed,
     );
-    // The key ends here: `head_only` when no user message has been reached.
-    let done = |key: &TextKey, user: bool| key.finish_chat(KeySource::Chat, !user);
+    // The key ends here: `head_only` when no user message has been reached. A deep key also
+    // looks past the first user message (the scanner `s` is after it) for more messages.
+    let done = |key: &TextKey, user: bool, s: Option<&mut Scan<'_>>| {
+        let mut k = key.finish_chat(KeySource::Chat, !user)?;
+        if let (Depth::Deep, true, Some(s)) = (depth, user, s) {
+            k.first_turn = s.next_or_close(b']') == Some(false);
+        }
+        Some(k)
+    };
     // Before a message's text is fed: the deep key gives the first user message its own budget.
     let start = |key: &mut TextKey, user: bool| {
         if user && depth == Depth::Deep {
@@ -721,7 +733,20 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
                             key.push(b"\n");
                             stream_string(s, &mut key)?;
                             if key.full {
-                                return done(&key, user);
+                                if user && depth == Depth::Deep {
+                                    // The cursor is still at the content string: skip it and
+                                    // the rest of the message to see what follows.
+                                    s.ws();
+                                    if s.peek() == Some(b'"') {
+                                        s.skip_value()?; // else the string ended with the key
+                                    }
+                                    while s.next_or_close(b'}')? {
+                                        s.key()?;
+                                        s.skip_value()?;
+                                    }
+                                    return done(&key, user, Some(s));
+                                }
+                                return done(&key, user, None);
                             }
                             emitted = true;
                         }
@@ -734,7 +759,7 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
                             let mut parts = Scan { b: s.b, pos: s.pos };
                             emit_parts(&mut parts, &mut key)?;
                             if key.full {
-                                return done(&key, user);
+                                return done(&key, user, None);
                             }
                             s.pos = parts.pos;
                             emitted = true;
@@ -768,10 +793,10 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
         }
         key.push(b"\n");
         if key.full || user {
-            return done(&key, user);
+            return done(&key, user, Some(s));
         }
         if !s.next_or_close(b']')? {
-            return done(&key, false);
+            return done(&key, false, None);
         }
     }
 }
@@ -1025,6 +1050,79 @@ mod tests {
 
     fn chat(body: &str, limit: usize) -> PromptKey {
         prompt_key(BodyKind::OpenAi, body.as_bytes(), limit, DEFAULT_SEED)
+    }
+
+    /// A chat with a long system prompt and `turns` user turns; `content_first` puts each
+    /// message's `content` before its `role`.
+    fn conversation(user: &str, turns: usize, content_first: bool) -> String {
+        let system = "Answer as the handbook says; cite the section. ".repeat(60);
+        let message = |role: &str, content: &str| {
+            let content = serde_json::to_string(content).unwrap();
+            if content_first {
+                format!(r#"{{"content":{content},"role":"{role}"}}"#)
+            } else {
+                format!(r#"{{"role":"{role}","content":{content}}}"#)
+            }
+        };
+        let mut messages = vec![message("system", &system)];
+        for t in 0..turns {
+            if t > 0 {
+                messages.push(message("assistant", "Done."));
+            }
+            messages.push(message("user", &format!("{user}, turn {t}")));
+        }
+        format!(
+            r#"{{"model":"m","messages":[{}],"stream":true}}"#,
+            messages.join(",")
+        )
+    }
+
+    #[test]
+    fn a_key_cut_inside_a_long_system_prompt_is_head_only_and_deepens_to_the_conversation() {
+        for content_first in [false, true] {
+            let a1 = conversation("alice asks about refunds", 1, content_first);
+            let a3 = conversation("alice asks about refunds", 3, content_first);
+            let b1 = conversation("bob asks about shipping", 1, content_first);
+            // prefix_length 1024 ends inside the 2,880-character system prompt
+            let (ka, kb) = (chat(&a1, 1024), chat(&b1, 1024));
+            assert!(ka.head_only && kb.head_only);
+            assert_eq!(ka.hash, kb.hash, "users share the head's key");
+            let deep = |b: &str| deep_prompt_key(b.as_bytes(), 1024, DEFAULT_SEED).unwrap();
+            let (da1, da3, db1) = (deep(&a1), deep(&a3), deep(&b1));
+            assert_eq!(da1.hash, da3.hash, "a conversation keeps its deep key");
+            assert_ne!(da1.hash, db1.hash, "conversations differ");
+            assert!(!da1.head_only);
+            assert!(da1.first_turn && !da3.first_turn && db1.first_turn);
+            // the deep key is the whole head plus the first user message
+            let head = format!(
+                "system\n{}\nuser\nalice asks about refunds, turn 0\n",
+                "Answer as the handbook says; cite the section. ".repeat(60)
+            );
+            assert_eq!(da1.hash, text_hash(&head, DEFAULT_SEED), "{content_first}");
+            // a limit that reaches the user message: not head-only, and nothing to deepen
+            let whole = chat(&a1, 4096);
+            assert!(!whole.head_only);
+            assert!(deep_prompt_key(a3.as_bytes(), 4096, DEFAULT_SEED).is_some());
+        }
+    }
+
+    #[test]
+    fn a_deep_key_takes_prefix_length_characters_of_a_long_first_user_message() {
+        let long_user = "a pasted log line\n".repeat(200);
+        let one = conversation(&long_user, 1, false);
+        let two = conversation(&long_user, 2, false);
+        let d1 = deep_prompt_key(one.as_bytes(), 512, DEFAULT_SEED).unwrap();
+        let d2 = deep_prompt_key(two.as_bytes(), 512, DEFAULT_SEED).unwrap();
+        assert_eq!(d1.hash, d2.hash);
+        assert!(
+            d1.first_turn,
+            "the rest of the cut message is skipped to see what follows"
+        );
+        assert!(!d2.first_turn);
+        // no user message, or not a chat: no deep key
+        let system_only = r#"{"messages":[{"role":"system","content":"x"}]}"#;
+        assert!(deep_prompt_key(system_only.as_bytes(), 512, DEFAULT_SEED).is_none());
+        assert!(deep_prompt_key(br#"{"prompt":"x"}"#, 512, DEFAULT_SEED).is_none());
     }
 
     #[test]

@@ -169,14 +169,17 @@ impl Workload {
             }
             WorkloadKind::SystemPromptLong => {
                 // 4 system prompts of 3,000 tokens (12,000 characters) against a prefix_length
-                // of 4,096 characters: the key never reaches a user's own text.
+                // of 4,096 characters, so the key never reaches a user's own text. Users paste
+                // long messages (median 500 tokens) and get short answers (40), so a turn's
+                // prefill is mostly the conversation so far: the history a strategy keeps or
+                // loses decides TTFT and throughput, not decode.
                 w.system_prompts = 4;
                 w.system_prompt_tokens = 3000;
-                w.min_turns = 3;
+                w.min_turns = 4;
                 w.max_turns = 10;
-                w.user_tokens_median = 80.0;
-                w.reply_tokens_median = 120.0;
-                w.kv_capacity_tokens = 48_000;
+                w.user_tokens_median = 500.0;
+                w.reply_tokens_median = 40.0;
+                w.kv_capacity_tokens = 96_000;
                 w.prefix_length = 4096;
             }
         }
