@@ -832,7 +832,12 @@ mod tests {
         assert_eq!(w.documents, full.documents, "as many documents");
         let chat = parse(&["--workload", "system-prompt-long", "--token-scale", "0.1"]).unwrap();
         let c = chat.workload(2);
-        assert_eq!(c.system_prompt_tokens, 300);
+        let full = Workload::new(WorkloadKind::SystemPromptLong, 1);
+        assert_eq!(
+            c.system_prompt_tokens,
+            (full.system_prompt_tokens as f64 / 10.0).round() as usize
+        );
+        assert_eq!(c.user_tokens_median, full.user_tokens_median * 0.1);
         assert_eq!(c.text_salt, 2);
         assert!(
             c.system_prompt(0).chars().count() > c.prefix_length as usize,
