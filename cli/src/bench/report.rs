@@ -210,6 +210,7 @@ impl BenchReport {
                     ),
                     format!("{:.1}%", r.kv_hit_rate * 100.0),
                     format!("{:.2} pt", r.max_share_deviation * 100.0),
+                    min_max_share(&r.instance_share),
                     format!("{:.2}", r.max_load_ratio),
                     format!(
                         "{:.1}/{:.1}",
@@ -220,7 +221,7 @@ impl BenchReport {
             .collect()
     }
 
-    const HEADER: [&'static str; 11] = [
+    const HEADER: [&'static str; 12] = [
         "strategy",
         "requests",
         "errors",
@@ -230,6 +231,7 @@ impl BenchReport {
         "req/s",
         "KV hit",
         "max share dev",
+        "min/max share",
         "max/mean load",
         "decision p50/p99 us",
     ];
@@ -355,6 +357,25 @@ fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
+/// The smallest and largest share of the requests an engine got, in percent (`-` without engines).
+fn min_max_share(shares: &[f64]) -> String {
+    if shares.is_empty() {
+        return "-".into();
+    }
+    let min = shares.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = shares.iter().copied().fold(0.0, f64::max);
+    format!("{:.1}/{:.1}%", min * 100.0, max * 100.0)
+}
+
+/// Shares in percent, one per engine.
+fn shares_line(shares: &[f64]) -> String {
+    shares
+        .iter()
+        .map(|s| format!("{:.1}", s * 100.0))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// The demo's side-by-side comparison.
 pub fn print_demo(random: &StrategyResult, prefix: &StrategyResult) {
     let pct = |a: f64, b: f64| {
@@ -388,6 +409,20 @@ pub fn print_demo(random: &StrategyResult, prefix: &StrategyResult) {
     println!(
         "{:<22} {:>12} {:>14}",
         "errors", random.errors, prefix.errors
+    );
+    println!(
+        "{:<22} {:>12.2} {:>14.2}",
+        "max share dev (pt)",
+        random.max_share_deviation * 100.0,
+        prefix.max_share_deviation * 100.0
+    );
+    let fair = 100.0 / random.instance_share.len().max(1) as f64;
+    println!("requests per instance (%, fair share {fair:.1}):");
+    println!("  {:<13} {}", "RANDOM", shares_line(&random.instance_share));
+    println!(
+        "  {:<13} {}",
+        "PREFIX_AWARE",
+        shares_line(&prefix.instance_share)
     );
     println!("(times are simulated: engine-sim runs faster than real time; hit rates from the engines' counters)");
 }
@@ -554,6 +589,17 @@ mod tests {
             config: serde_json::json!({ "routers": routers }),
             results: vec![r],
         }
+    }
+
+    #[test]
+    fn tables_show_the_least_and_most_loaded_engine() {
+        let mut r = report("long-context", 1, 100.0);
+        r.results[0].instance_share = vec![0.125, 0.2, 0.15];
+        let md = r.markdown("prefixctl bench");
+        assert!(md.contains("| min/max share |"), "{md}");
+        assert!(md.contains("| 12.5/20.0% |"), "{md}");
+        r.results[0].instance_share.clear();
+        assert!(r.markdown("x").contains("| - |"));
     }
 
     #[test]

@@ -17,6 +17,10 @@ use rand_distr::{Distribution, LogNormal, Zipf};
 pub enum WorkloadKind {
     /// 8,000-token documents of Zipf popularity, each request one document plus a unique question.
     LongContext,
+    /// long-context calibrated to the reference's setting: RANDOM hits about a quarter of the
+    /// prompt tokens (150 documents of flatter popularity, Zipf 0.5, and 20 documents' worth of
+    /// KV cache per engine: the fleet holds 140 of the 150).
+    LongContextCalibrated,
     /// ShareGPT-like multi-turn chats behind a short common system prompt.
     Sharegpt,
     /// A few 2,500-token system prompts shared by many multi-turn users.
@@ -32,6 +36,7 @@ impl WorkloadKind {
     pub fn name(self) -> &'static str {
         match self {
             WorkloadKind::LongContext => "long-context",
+            WorkloadKind::LongContextCalibrated => "long-context-calibrated",
             WorkloadKind::Sharegpt => "sharegpt",
             WorkloadKind::SystemPromptChat => "system-prompt-chat",
             WorkloadKind::SystemPromptLong => "system-prompt-long",
@@ -144,6 +149,14 @@ impl Workload {
                 w.document_tokens = 8000;
                 w.zipf_exponent = 0.8;
                 w.kv_capacity_tokens = 136_000;
+                w.answer_tokens = 24;
+                w.prefix_length = 4096;
+            }
+            WorkloadKind::LongContextCalibrated => {
+                w.documents = 150;
+                w.document_tokens = 8000;
+                w.zipf_exponent = 0.5;
+                w.kv_capacity_tokens = 160_000;
                 w.answer_tokens = 24;
                 w.prefix_length = 4096;
             }
@@ -291,7 +304,9 @@ impl ClientState {
     ) -> Request {
         self.served += 1;
         match w.kind {
-            WorkloadKind::LongContext | WorkloadKind::Autoscale => self.next_document(w, documents),
+            WorkloadKind::LongContext
+            | WorkloadKind::LongContextCalibrated
+            | WorkloadKind::Autoscale => self.next_document(w, documents),
             WorkloadKind::Sharegpt
             | WorkloadKind::SystemPromptChat
             | WorkloadKind::SystemPromptLong => self.next_turn(w, last_reply),
