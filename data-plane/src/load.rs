@@ -172,6 +172,8 @@ pub struct InstanceState {
     /// Requests this router placed on the instance recently (PREFIX_AWARE's balance measure: the
     /// request rate, which cache hits do not hide the way they hide in-flight counts).
     recent: RecentCount,
+    /// f64 bits of [`InstanceState::weight`]; 0 means 1.0.
+    weight: AtomicU64,
     failures: AtomicU32,
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
@@ -191,6 +193,19 @@ impl InstanceState {
 
     pub fn recent(&self) -> &RecentCount {
         &self.recent
+    }
+
+    /// PREFIX_AWARE's weight of the instance among a cold key's first choices (1.0 until the
+    /// first re-weighing).
+    pub fn weight(&self) -> f64 {
+        match self.weight.load(Relaxed) {
+            0 => 1.0,
+            bits => f64::from_bits(bits),
+        }
+    }
+
+    pub fn set_weight(&self, w: f64) {
+        self.weight.store(w.to_bits(), Relaxed);
     }
 
     pub fn is_ejected(&self, now_ms: u64) -> bool {
@@ -232,6 +247,8 @@ pub struct VariantLoad {
     sequence: AtomicU64,
     recent: RecentCount,
     keys: OnceLock<KeyRates>,
+    /// Some instance of the variant has a weight other than 1.
+    weighted: std::sync::atomic::AtomicBool,
 }
 
 impl VariantLoad {
@@ -245,20 +262,33 @@ impl VariantLoad {
     }
 
     /// Counts one placed request for `key` (and, when the request was keyed deeper, for the
-    /// shallow key it was deepened from) on `instance`.
-    pub fn record(&self, instance: &InstanceState, keys: &[u64]) {
-        let e = Epoch::of(self.sequence.fetch_add(1, Relaxed));
+    /// shallow key it was deepened from) on `instance`. True for the request that opens a new
+    /// half-window (once per half-window): the caller then re-weighs the instances.
+    pub fn record(&self, instance: &InstanceState, keys: &[u64]) -> bool {
+        let sequence = self.sequence.fetch_add(1, Relaxed);
+        let e = Epoch::of(sequence);
         self.recent.add(e);
         instance.recent.add(e);
         let rates = self.key_rates();
         for &k in keys {
             rates.add(k, e);
         }
+        sequence > 0 && sequence % HALF_WINDOW_REQUESTS == 0
     }
 
     /// Requests placed in the variant within the window.
     pub fn recent(&self, e: Epoch) -> f64 {
         self.recent.value(e)
+    }
+
+    pub fn is_weighted(&self) -> bool {
+        self.weighted.load(Relaxed)
+    }
+
+    pub fn set_weighted(&self) {
+        if !self.is_weighted() {
+            self.weighted.store(true, Relaxed);
+        }
     }
 
     pub fn key_rates(&self) -> &KeyRates {

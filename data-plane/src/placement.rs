@@ -246,9 +246,12 @@ impl Placement {
         })?;
         if let Some(k) = key {
             let state = variant.instances()[instance].state();
-            match conversation {
+            let new_window = match conversation {
                 Some(c) => variant.load().record(state, &[k, c.head]),
                 None => variant.load().record(state, &[k]),
+            };
+            if new_window {
+                reweigh(variant);
             }
         }
         Ok(Route {
@@ -407,8 +410,11 @@ impl Placement {
                 };
                 return Some((i, d));
             }
-        } else if ok(top) {
-            return Some((top, Decision::PrefixHash));
+        } else {
+            let first = weighted_first(v, key, top);
+            if ok(first) {
+                return Some((first, Decision::PrefixHash));
+            }
         }
         let index_key = key ^ v.salt();
         if let Some(remembered) = self.index.get(index_key) {
@@ -426,6 +432,80 @@ impl Placement {
         }
         least_loaded(v, exclude, now).map(|i| (i, Decision::OverloadBypass))
     }
+}
+
+/// Cold keys choose among this many of their first rendezvous instances by weight.
+pub const WEIGHTED_CHOICES: usize = 3;
+/// Instance weights stay within [1 / MAX_WEIGHT, MAX_WEIGHT].
+pub const MAX_WEIGHT: f64 = 4.0;
+/// A share within this many points of 1/n leaves the instance's weight as it is.
+pub const DEAD_ZONE: f64 = 0.004;
+/// Exponent of each re-weighing step: w *= (fair / share) ^ GAIN.
+pub const GAIN: f64 = 0.5;
+
+/// Re-weighs the variant's instances at the start of a half-window, from their shares of the
+/// requests of the window that just ended: an instance over its fair share gets a lower weight,
+/// one under it a higher weight, so cold keys at the margin of their first choices move (whole
+/// keys, once, not request by request) until shares even out. This covers what hot-key spreading
+/// cannot: traffic whose keys are all cold (flat popularity), where hashing alone leaves
+/// instances several points apart. Replicas that see random samples of the same traffic measure
+/// nearly the same shares and converge on nearly the same weights.
+fn reweigh(v: &Variant) {
+    let load = v.load();
+    let e = load.epoch();
+    let total = load.recent(e);
+    let n = v.instances().len();
+    if total < MIN_WINDOW || n < 2 {
+        return;
+    }
+    let fair = 1.0 / n as f64;
+    for inst in v.instances() {
+        let share = inst.state().recent().value(e) / total;
+        if (share - fair).abs() < DEAD_ZONE {
+            continue;
+        }
+        let step = (fair / share.max(fair / 4.0)).powf(GAIN);
+        let w = (inst.state().weight() * step).clamp(1.0 / MAX_WEIGHT, MAX_WEIGHT);
+        inst.state().set_weight(w);
+        load.set_weighted();
+    }
+}
+
+/// A cold key's instance: the best of its first [`WEIGHTED_CHOICES`] rendezvous instances by
+/// weighted rendezvous score `w / -ln(u)` (u = the key's hash against the instance, in (0, 1)).
+/// With equal weights that is the rendezvous top choice.
+fn weighted_first(v: &Variant, key: u64, top: usize) -> usize {
+    let hashes = v.id_hashes();
+    let instances = v.instances();
+    if hashes.len() < 2 || !v.load().is_weighted() {
+        return top;
+    }
+    let w_top = instances[top].state().weight();
+    let weighted = |i: usize| {
+        let u = ((rendezvous_score(key, hashes[i]) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        instances[i].state().weight() / -u.ln()
+    };
+    // Equal weights among the candidates keep the plain ranking (no logarithms).
+    let walk = RendezvousWalk::new(hashes, key, top, rendezvous_score(key, hashes[top]));
+    let mut candidates = [top; WEIGHTED_CHOICES];
+    let mut len = 1;
+    let mut equal = true;
+    for i in walk.take(WEIGHTED_CHOICES - 1) {
+        equal &= instances[i].state().weight() == w_top;
+        candidates[len] = i;
+        len += 1;
+    }
+    if equal {
+        return top;
+    }
+    let mut best = (top, weighted(top));
+    for &i in &candidates[1..len] {
+        let s = weighted(i);
+        if s > best.1 {
+            best = (i, s);
+        }
+    }
+    best.0
 }
 
 /// The key's share of the variant's recent requests (0 until the window holds [`MIN_WINDOW`]).
@@ -1076,6 +1156,68 @@ mod tests {
                 used[0].len() >= 4,
                 "the hottest document is spread: {:?}",
                 used[0]
+            );
+        }
+    }
+
+    /// Routes a Zipf(`exponent`) stream over `keys` documents; returns the shares after `skip` and
+    /// the fraction of requests after `skip` whose document was last served elsewhere.
+    fn shares_and_moves(
+        keys: usize,
+        exponent: f64,
+        len: usize,
+        skip: usize,
+        seed: u64,
+    ) -> (Vec<f64>, f64) {
+        use rand::{Rng, SeedableRng};
+        let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
+        let p = Placement::new(1000, 200, None);
+        let weights: Vec<f64> = (1..=keys).map(|k| (k as f64).powf(-exponent)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut cumulative = Vec::new();
+        let mut sum = 0.0;
+        for w in &weights {
+            sum += w / total;
+            cumulative.push(sum);
+        }
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+        let bodies: Vec<Vec<u8>> = (0..keys).map(document).collect();
+        let mut last = vec![usize::MAX; keys];
+        let (mut counts, mut moves) = (vec![0usize; 7], 0usize);
+        for i in 0..len {
+            let x: f64 = rng.random();
+            let d = cumulative.partition_point(|&c| c < x).min(keys - 1);
+            let r = p.route(&t, &req(&bodies[d])).unwrap();
+            if i >= skip {
+                counts[r.instance] += 1;
+                if last[d] != usize::MAX && last[d] != r.instance {
+                    moves += 1;
+                }
+            }
+            last[d] = r.instance;
+        }
+        let measured = (len - skip) as f64;
+        (
+            counts.iter().map(|&c| c as f64 / measured).collect(),
+            moves as f64 / measured,
+        )
+    }
+
+    #[test]
+    fn flat_popularity_is_balanced_by_weights_moving_whole_keys() {
+        // 150 documents of Zipf 0.5: no document is hot enough to spread, and rendezvous alone
+        // leaves instances 3-6 points from 1/7. Re-weighing moves whole cold keys among their
+        // first three choices until the shares even out, and then leaves them where they are.
+        for seed in [1, 2] {
+            let (shares, moved) = shares_and_moves(150, 0.5, 60_000, 30_000, seed);
+            let worst = shares
+                .iter()
+                .map(|s| (s - 1.0 / 7.0).abs() * 100.0)
+                .fold(0.0, f64::max);
+            assert!(worst <= 1.5, "seed {seed}: {shares:?}");
+            assert!(
+                moved < 0.03,
+                "seed {seed}: {moved} of requests found their key moved"
             );
         }
     }
