@@ -278,10 +278,19 @@ impl BenchReport {
     }
 
     /// The workload, and the number of routers when there are several: one Markdown section each.
+    /// The workload, with the number of routers when there are several and the seed when it is
+    /// not 1: one Markdown section each, so runs of several seeds stand side by side.
     fn section(&self) -> String {
-        match self.config["routers"].as_u64() {
-            Some(r) if r > 1 => format!("{} ({r} routers)", self.workload),
-            _ => self.workload.clone(),
+        let mut parts = Vec::new();
+        if let Some(r) = self.config["routers"].as_u64().filter(|&r| r > 1) {
+            parts.push(format!("{r} routers"));
+        }
+        if let Some(seed) = self.config["seed"].as_u64().filter(|&s| s != 1) {
+            parts.push(format!("seed {seed}"));
+        }
+        match parts.is_empty() {
+            true => self.workload.clone(),
+            false => format!("{} ({})", self.workload, parts.join(", ")),
         }
     }
 
@@ -589,6 +598,16 @@ mod tests {
             config: serde_json::json!({ "routers": routers }),
             results: vec![r],
         }
+    }
+
+    #[test]
+    fn seeds_and_router_counts_get_sections_of_their_own() {
+        let mut r = report("long-context", 4, 100.0);
+        assert_eq!(r.section(), "long-context (4 routers)");
+        r.config["seed"] = serde_json::json!(2);
+        assert_eq!(r.section(), "long-context (4 routers, seed 2)");
+        r.config["routers"] = serde_json::json!(1);
+        assert_eq!(r.section(), "long-context (seed 2)");
     }
 
     #[test]
