@@ -166,30 +166,9 @@ const HEADER: [&str; 8] = [
 
 /// The per-engine table printed after the summary.
 pub fn print_table(shares: &[EngineShares]) {
-    let rows = rows(shares);
-    let widths: Vec<usize> = (0..HEADER.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].len())
-                .chain([HEADER[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: Vec<String>| {
-        cells
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
-            .collect::<Vec<_>>()
-            .join("  ")
-            .trim_end()
-            .to_string()
-    };
     println!("per engine (share of requests, share of prompt tokens, hit rate):");
-    println!("{}", line(HEADER.iter().map(|s| s.to_string()).collect()));
-    for r in rows {
-        println!("{}", line(r));
+    for line in super::report::aligned(&HEADER, rows(shares)) {
+        println!("{line}");
     }
 }
 

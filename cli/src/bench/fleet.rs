@@ -74,6 +74,17 @@ pub struct EngineReading {
     pub counters: Option<(EngineMetrics, CacheCounters)>,
 }
 
+impl From<&EngineReading> for EngineCounters {
+    fn from(r: &EngineReading) -> Self {
+        let c = r.counters.map(|c| c.1).unwrap_or_default();
+        EngineCounters {
+            queries: c.prompt_tokens,
+            hits: c.cached_tokens,
+            requests: c.requests.unwrap_or(0.0),
+        }
+    }
+}
+
 /// Counters read from one engine's `/metrics`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineCounters {
@@ -326,15 +337,8 @@ impl Fleet {
         Ok(self
             .engine_readings()
             .await?
-            .into_iter()
-            .map(|r| {
-                let c = r.counters.map(|c| c.1).unwrap_or_default();
-                EngineCounters {
-                    queries: c.prompt_tokens,
-                    hits: c.cached_tokens,
-                    requests: c.requests.unwrap_or(0.0),
-                }
-            })
+            .iter()
+            .map(EngineCounters::from)
             .collect())
     }
 

@@ -328,17 +328,7 @@ async fn snapshot(fleet: &Fleet) -> anyhow::Result<Snapshot> {
     let readings = fleet.engine_readings().await?;
     Ok(Snapshot {
         at: Instant::now(),
-        engines: readings
-            .iter()
-            .map(|r| {
-                let c = r.counters.map(|c| c.1).unwrap_or_default();
-                EngineCounters {
-                    queries: c.prompt_tokens,
-                    hits: c.cached_tokens,
-                    requests: c.requests.unwrap_or(0.0),
-                }
-            })
-            .collect(),
+        engines: readings.iter().map(EngineCounters::from).collect(),
         readings,
     })
 }

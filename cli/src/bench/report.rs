@@ -237,31 +237,9 @@ impl BenchReport {
     ];
 
     pub fn print_table(&self) {
-        let rows = self.rows();
-        let widths: Vec<usize> = (0..Self::HEADER.len())
-            .map(|c| {
-                rows.iter()
-                    .map(|r| r[c].len())
-                    .chain([Self::HEADER[c].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let line = |cells: Vec<String>| {
-            cells
-                .iter()
-                .enumerate()
-                .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
-                .collect::<Vec<_>>()
-                .join("  ")
-        };
         println!("workload {}", self.workload);
-        println!(
-            "{}",
-            line(Self::HEADER.iter().map(|s| s.to_string()).collect())
-        );
-        for r in rows {
-            println!("{}", line(r));
+        for line in aligned(&Self::HEADER, self.rows()) {
+            println!("{line}");
         }
         for r in &self.results {
             if let Some(a) = &r.autoscale {
@@ -364,6 +342,32 @@ fn today() -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// A console table: the header and the rows, each column padded to its widest cell.
+pub fn aligned(header: &[&str], rows: Vec<Vec<String>>) -> Vec<String> {
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].len())
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    std::iter::once(line(header.iter().map(|s| s.to_string()).collect()))
+        .chain(rows.into_iter().map(line))
+        .collect()
 }
 
 /// The smallest and largest share of the requests an engine got, in percent (`-` without engines).
