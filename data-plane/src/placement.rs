@@ -15,16 +15,18 @@
 //!   nearly the same shares and pick the same replica sets.
 //! - A hot key that is only the head of a chat (a system prompt longer than `prefix_length`,
 //!   shared by every conversation on it) is deepened instead: the request is keyed by its
-//!   conversation ([`deep_prompt_key`]), which spreads conversations like any other key while
-//!   each conversation's turns stay together.
-//! - Cold keys take their rendezvous top choice under bounded load (Mirrokni et al.): the key
-//!   walks its ranking to the first instance whose in-flight count is under
-//!   `ceil(c * (variant_in_flight + 1) / n) + 1` (c = 2 by default, `--hash-balance-factor`) and under the variant's
-//!   `concurrency_threshold`; a [`PrefixIndex`] remembers where a spilled key went so it keeps
-//!   spilling to the same second instance.
-//!
-//! No allocation per decision unless a key walks past several full instances of a variant with
-//! more than 64 instances.
+//!   conversation ([`deep_prompt_key`]). The head is then cached everywhere, so a conversation's
+//!   first turn can go anywhere at no cost: it takes the less loaded of its first two instances
+//!   (the power of two choices), and this router remembers the choice for its later turns.
+//! - A cold key takes the best of its first three instances by weighted rendezvous score. The
+//!   weights start at 1 (the plain top choice) and are re-set every half-window from each
+//!   instance's share of requests (over its fair share: lower), so when every key is cold (flat
+//!   popularity) whole keys at the margin move, once, until shares even out.
+//! - Under all of it, bounded load (Mirrokni et al.) guards against bursts: the key walks its
+//!   ranking to the first instance whose in-flight count is under
+//!   `ceil(c * (variant_in_flight + 1) / n) + 1` (c = 2 by default, `--hash-balance-factor`) and
+//!   under the variant's `concurrency_threshold`; a [`PrefixIndex`] remembers where a spilled key
+//!   went so it keeps spilling to the same second instance.
 //!
 //! [`KeyRates`]: crate::load::KeyRates
 
