@@ -56,6 +56,14 @@ pub struct BenchArgs {
     /// suggested prefix_length and the engines' KV capacity; e.g. 0.1 for small CPU engines.
     #[arg(long, default_value_t = 1.0)]
     pub token_scale: f64,
+    /// With --engines: send the load to this router, already running in front of the same
+    /// engines (another router, to compare with), instead of to the bench's data plane; one run,
+    /// labelled --router-label, on texts of its own.
+    #[arg(long, requires = "engines")]
+    pub router_url: Option<String>,
+    /// The label of the --router-url run in the report.
+    #[arg(long, default_value = "EXTERNAL")]
+    pub router_label: String,
     /// Data-plane replicas; clients are spread over them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=16))]
     pub routers: u64,
@@ -143,6 +151,15 @@ impl BenchArgs {
                 "invalid --workload autoscale with --engines: it starts and stops engines, \
                  which the bench cannot do to engines it did not start"
             );
+            if let Some(url) = &self.router_url {
+                let ok = url
+                    .parse::<http::Uri>()
+                    .is_ok_and(|u| u.scheme_str() == Some("http") && u.authority().is_some());
+                anyhow::ensure!(
+                    ok,
+                    "invalid --router-url {url:?}: expected http://HOST:PORT"
+                );
+            }
             for (i, url) in self.engines.iter().enumerate() {
                 let uri: http::Uri = url
                     .parse()
@@ -204,8 +221,21 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
     let documents = Arc::new(workload.documents());
     let mut results = Vec::new();
     let mut shares = Vec::new();
+    if args.router_url.is_some() {
+        // One run through the other router; its texts are its own (salt past any strategy's).
+        args.strategies.truncate(1);
+    }
     for (i, &strategy) in args.strategies.iter().enumerate() {
-        let (r, s) = if external {
+        let (r, s) = if args.router_url.is_some() {
+            let w = Arc::new(args.workload(100));
+            let d = Arc::new(w.documents());
+            let (mut r, mut s) = run_strategy(&args, &w, &d, strategy).await?;
+            r.strategy = args.router_label.clone();
+            if let Some(s) = s.as_mut() {
+                s.strategy = args.router_label.clone();
+            }
+            (r, s)
+        } else if external {
             // The engines keep running between strategies: fresh texts for each.
             let w = Arc::new(args.workload(i as u64 + 1));
             let d = Arc::new(w.documents());
@@ -270,12 +300,7 @@ fn engines_markdown(
     let mut named = report.clone();
     named.workload = format!("{} on {} engines", report.workload, args.engines.len());
     named.update_markdown(path, &command_line())?;
-    // The section's end marker, as the report writes it (routers in the name when several).
-    let section = match args.routers {
-        r if r > 1 => format!("{} ({r} routers)", named.workload),
-        _ => named.workload.clone(),
-    };
-    let end = format!("<!-- /bench:{section} -->");
+    let end = format!("<!-- /bench:{} -->", named.section());
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let table = engines::markdown(shares);
@@ -375,10 +400,14 @@ async fn run_strategy(
     let stop_at = measure_from + measure;
 
     let (tx, mut rx) = mpsc::unbounded_channel();
+    let targets = match &args.router_url {
+        Some(url) => vec![url.trim_end_matches('/').to_string()],
+        None => fleet.router_urls(),
+    };
     let clients = tokio::spawn(load::run_clients(
         workload.clone(),
         documents.clone(),
-        fleet.router_urls(),
+        targets,
         args.concurrency as usize,
         stop_at,
         metrics::http_client(),
@@ -673,6 +702,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         strategies: vec![RoutingStrategy::Random],
         instances: 7,
         engines: Vec::new(),
+        router_url: None,
+        router_label: String::new(),
         token_scale: 1.0,
         routers: 1,
         concurrency: args.concurrency,
@@ -805,6 +836,26 @@ mod tests {
         assert!(e.contains("given twice"), "{e}");
         let e = invalid(&["--token-scale", "0"]);
         assert!(e.contains("--token-scale 0"), "{e}");
+        // another router in front of the same engines, to compare with
+        let other = parse(&[
+            "--engines",
+            "http://h:1",
+            "--router-url",
+            "http://r:30000",
+            "--router-label",
+            "sglang cache_aware",
+        ])
+        .unwrap();
+        other.validate().unwrap();
+        assert_eq!(other.router_label, "sglang cache_aware");
+        let e = parse(&["--router-url", "http://r:1"]).err().unwrap();
+        assert_eq!(
+            e.kind(),
+            clap::error::ErrorKind::MissingRequiredArgument,
+            "{e}"
+        );
+        let e = invalid(&["--engines", "http://h:1", "--router-url", "r:1"]);
+        assert!(e.contains("--router-url \"r:1\""), "{e}");
     }
 
     #[test]

@@ -258,7 +258,7 @@ impl BenchReport {
     /// The workload, and the number of routers when there are several: one Markdown section each.
     /// The workload, with the number of routers when there are several and the seed when it is
     /// not 1: one Markdown section each, so runs of several seeds stand side by side.
-    fn section(&self) -> String {
+    pub fn section(&self) -> String {
         let mut parts = Vec::new();
         if let Some(r) = self.config["routers"].as_u64().filter(|&r| r > 1) {
             parts.push(format!("{r} routers"));
