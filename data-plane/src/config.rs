@@ -48,6 +48,14 @@ pub struct Config {
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(100..=1000))]
     pub hash_balance_factor: u32,
 
+    /// PREFIX_AWARE: a hot key with 1/n of a variant's traffic is served by this many of its first
+    /// rendezvous instances (proportionally for other shares), each request going to the least
+    /// recently loaded. Wider evens out request shares; 0 keeps every key on one instance and
+    /// leaves the balance to re-weighing whole keys (better for engines that pay to switch
+    /// prompts, such as a one-slot llama-server: see BENCHMARKS.md).
+    #[arg(long, default_value_t = 8.0, value_parser = parse_spread)]
+    pub hot_key_spread: f64,
+
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.
     #[arg(long, default_value_t = 30_000)]
     pub shutdown_grace_ms: u64,
@@ -60,6 +68,15 @@ pub struct Config {
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
+}
+
+fn parse_spread(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=64.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "invalid --hot-key-spread {s:?}: expected a number in 0..=64"
+        )),
+    }
 }
 
 impl Default for Config {
@@ -102,6 +119,17 @@ impl Config {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn hot_key_spread_is_range_checked() {
+        assert_eq!(Config::default().hot_key_spread, 8.0);
+        let c = Config::parse_from(["data-plane", "--hot-key-spread", "0"]);
+        assert_eq!(c.hot_key_spread, 0.0);
+        for bad in ["-1", "65", "x"] {
+            let e = Config::try_parse_from(["data-plane", "--hot-key-spread", bad]).unwrap_err();
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+    }
 
     #[test]
     fn defaults_and_flags() {

@@ -150,13 +150,20 @@ pub const DEEPEN_SHARE: f64 = 0.5;
 /// Shares are estimated only once the window holds this many of the variant's requests.
 pub const MIN_WINDOW: f64 = 64.0;
 
-/// How many instances serve a key of `share` of the traffic of `n` instances.
+/// How many instances serve a key of `share` of the traffic of `n` instances (with the default
+/// [`SPREAD`]).
 pub fn replicas(share: f64, n: usize) -> usize {
+    replicas_with(share, n, SPREAD)
+}
+
+/// How many instances serve a key of `share` of the traffic of `n` instances when a hot key of
+/// share 1/n gets `spread` of them (0: hot keys are not spread).
+pub fn replicas_with(share: f64, n: usize, spread: f64) -> usize {
     let load = share * n as f64;
-    if load < HOT_SHARE {
+    if load < HOT_SHARE || spread <= 0.0 {
         1
     } else {
-        ((load * SPREAD).ceil() as usize).clamp(1, n)
+        ((load * spread).ceil() as usize).clamp(1, n)
     }
 }
 
@@ -174,6 +181,8 @@ pub struct Placement {
     index: PrefixIndex,
     /// Bounded-load factor c, in percent (125 = 1.25).
     balance_percent: u32,
+    /// [`SPREAD`] unless set (`--hot-key-spread`).
+    spread: f64,
     default_endpoint: Option<String>,
 }
 
@@ -186,8 +195,16 @@ impl Placement {
         Placement {
             index: PrefixIndex::new(prefix_index_capacity),
             balance_percent: balance_percent.clamp(100, 1000),
+            spread: SPREAD,
             default_endpoint,
         }
+    }
+
+    /// How widely hot keys are spread (see [`replicas_with`]); 0 keeps every key on one
+    /// instance and leaves the balance to the weights.
+    pub fn with_hot_key_spread(mut self, spread: f64) -> Self {
+        self.spread = spread.clamp(0.0, 64.0);
+        self
     }
 
     pub fn index(&self) -> &PrefixIndex {
@@ -391,7 +408,7 @@ impl Placement {
                 && !instances[i].state().is_ejected(now)
         };
         let (top, top_score) = rendezvous_top(hashes, key);
-        let r = replicas(share(v, key), hashes.len());
+        let r = replicas_with(share(v, key), hashes.len(), self.spread);
         if r > 1 {
             // A hot key: the least recently loaded of its first r instances.
             let e = v.load().epoch();
@@ -1222,6 +1239,19 @@ mod tests {
                 "seed {seed}: {moved} of requests found their key moved"
             );
         }
+    }
+
+    #[test]
+    fn a_spread_of_zero_keeps_hot_keys_on_one_instance() {
+        let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
+        let p = Placement::new(1000, 200, None).with_hot_key_spread(0.0);
+        let (_, used) = route_stream(&p, &t, &zipf_stream(80, 12_000, 6), 2_000);
+        // (re-weighing may still move a whole key once)
+        assert!(used[0].len() <= 2, "{:?}", used[0]);
+        let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
+        let p = Placement::new(1000, 200, None);
+        let (_, used) = route_stream(&p, &t, &zipf_stream(80, 12_000, 6), 2_000);
+        assert!(used[0].len() >= 4, "{:?}", used[0]);
     }
 
     #[test]

@@ -62,7 +62,8 @@ impl Router {
                 config.prefix_index_capacity,
                 config.hash_balance_factor,
                 config.default_endpoint.clone(),
-            ),
+            )
+            .with_hot_key_spread(config.hot_key_spread),
             metrics: Metrics::with_workers(config.resolved_workers()),
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),

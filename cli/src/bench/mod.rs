@@ -99,6 +99,9 @@ pub struct BenchArgs {
     /// Routers' bounded-load factor in percent (data-plane --hash-balance-factor; default: the router's).
     #[arg(long)]
     pub hash_balance_factor: Option<u32>,
+    /// Routers' hot-key spread (data-plane --hot-key-spread; default: the router's).
+    #[arg(long)]
+    pub hot_key_spread: Option<f64>,
     /// Write the results as JSON here.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
@@ -324,6 +327,7 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         prefix_length: args.prefix_length.unwrap_or(workload.prefix_length),
         concurrency_threshold: args.concurrency_threshold,
         hash_balance_factor: args.hash_balance_factor,
+        hot_key_spread: args.hot_key_spread,
         kv_capacity_tokens: workload.kv_capacity_tokens,
         time_scale: args.time_scale,
         seed: args.seed,
@@ -714,6 +718,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         prefix_length: None,
         concurrency_threshold: 64,
         hash_balance_factor: None,
+        hot_key_spread: None,
         out: None,
         plot: None,
         markdown: None,

@@ -162,6 +162,7 @@ impl BenchReport {
             "prefix_length": args.prefix_length.unwrap_or(workload.prefix_length),
             "concurrency_threshold": args.concurrency_threshold,
             "hash_balance_factor": args.hash_balance_factor,
+            "hot_key_spread": args.hot_key_spread,
             "workload": workload,
             "date": today(),
         });
