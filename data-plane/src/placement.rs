@@ -413,13 +413,26 @@ impl Placement {
             // A hot key: the least recently loaded of its first r instances.
             let e = v.load().epoch();
             let mut best: Option<(usize, f64, usize)> = None;
-            let walk = RendezvousWalk::new(hashes, key, top, top_score);
-            for (rank, i) in std::iter::once(top).chain(walk).take(r).enumerate() {
+            let mut consider = |rank: usize, i: usize| {
                 if ok(i) {
                     let recent = instances[i].state().recent().value(e);
                     if best.is_none_or(|b| recent < b.1) {
                         best = Some((i, recent, rank));
                     }
+                }
+            };
+            if r > WIDE_REPLICAS && hashes.len() > STACK_RANKING {
+                // Many replicas in a large variant: ranking them all would sort the whole
+                // variant per request. The top choice plus WIDE_REPLICAS instances drawn by the
+                // key's own hashes (a fixed set per key, so the copies stay bounded).
+                consider(0, top);
+                for j in 1..=WIDE_REPLICAS as u64 {
+                    consider(j as usize, (fmix64(key ^ j) % hashes.len() as u64) as usize);
+                }
+            } else {
+                let walk = RendezvousWalk::new(hashes, key, top, top_score);
+                for (rank, i) in std::iter::once(top).chain(walk).take(r).enumerate() {
+                    consider(rank, i);
                 }
             }
             if let Some((i, _, rank)) = best {
@@ -452,6 +465,10 @@ impl Placement {
         least_loaded(v, exclude, now).map(|i| (i, Decision::OverloadBypass))
     }
 }
+
+/// A hot key with more replicas than this in a variant of more than 64 instances is served by its
+/// top choice and this many instances drawn by its hashes, not by a sorted ranking.
+pub const WIDE_REPLICAS: usize = 16;
 
 /// Cold keys choose among this many of their first rendezvous instances by weight.
 pub const WEIGHTED_CHOICES: usize = 3;
