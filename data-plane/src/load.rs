@@ -62,15 +62,21 @@ impl RecentCount {
     }
 
     pub fn value(&self, e: Epoch) -> f64 {
-        let last = self.epoch.load(Relaxed);
-        let half = |n: u64| self.halves[(n % 2) as usize].load(Relaxed) as f64;
-        if last == e.number {
-            half(e.number) + half(e.number + 1) * (1.0 - e.progress)
-        } else if last + 1 == e.number {
-            half(last) * (1.0 - e.progress)
-        } else {
-            0.0
-        }
+        windowed(self.epoch.load(Relaxed), e, |n| {
+            self.halves[(n % 2) as usize].load(Relaxed) as f64
+        })
+    }
+}
+
+/// The sliding-window value at `e` of counts kept in two half-windows, the newest of which is
+/// number `last`: `half(n)` reads half-window n (its slot is n % 2).
+fn windowed(last: u64, e: Epoch, half: impl Fn(u64) -> f64) -> f64 {
+    if last == e.number {
+        half(e.number) + half(e.number + 1) * (1.0 - e.progress)
+    } else if last + 1 == e.number {
+        half(last) * (1.0 - e.progress)
+    } else {
+        0.0
     }
 }
 
@@ -149,17 +155,12 @@ impl KeyRates {
     /// The key's requests in the window (an over-estimate when cells collide).
     pub fn value(&self, key: u64, e: Epoch) -> f64 {
         let last = self.epoch.load(Relaxed);
-        let cell = |n: u64, c: usize| self.cells[(n % 2) as usize][c].load(Relaxed) as f64;
         Self::cells(key)
             .into_iter()
             .map(|c| {
-                if last == e.number {
-                    cell(e.number, c) + cell(e.number + 1, c) * (1.0 - e.progress)
-                } else if last + 1 == e.number {
-                    cell(last, c) * (1.0 - e.progress)
-                } else {
-                    0.0
-                }
+                windowed(last, e, |n| {
+                    self.cells[(n % 2) as usize][c].load(Relaxed) as f64
+                })
             })
             .fold(f64::INFINITY, f64::min)
     }
