@@ -274,7 +274,7 @@ impl VariantLoad {
         for &k in keys {
             rates.add(k, e);
         }
-        sequence > 0 && sequence % HALF_WINDOW_REQUESTS == 0
+        sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS)
     }
 
     /// Requests placed in the variant within the window.
