@@ -153,10 +153,16 @@ pub async fn serve_with(
         }))
     });
 
+    // Both reflection protocols: v1, and v1alpha for the clients that know only it
+    // (grpcio-reflection, older grpcurl and Postman builds).
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::v1::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .context("building gRPC reflection service")?;
+        .context("building gRPC reflection service (v1)")?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::v1::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building gRPC reflection service (v1alpha)")?;
 
     let local = listener.local_addr().ok();
     tracing::info!(listen = ?local, "control plane serving");
@@ -173,6 +179,7 @@ pub async fn serve_with(
             )),
         )
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.await;
             // End the watch streams so the graceful drain does not wait on them.

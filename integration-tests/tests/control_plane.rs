@@ -958,50 +958,63 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
 
 #[tokio::test]
 async fn reflection_lists_the_services() {
-    use tonic_reflection_client::*;
     let dir = tempfile::tempdir().unwrap();
     let cp = InProcessControlPlane::start(dir.path()).await;
-    let services = list_services(&cp.url).await;
-    for s in [
-        "prefixrouter.v1.ControlPlane",
-        "prefixrouter.v1.RoutingDiscovery",
-    ] {
-        assert!(
-            services.iter().any(|x| x == s),
-            "{s} missing from {services:?}"
-        );
-    }
-}
-
-/// A minimal reflection client on the generated v1 reflection types.
-mod tonic_reflection_client {
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
-
-    pub async fn list_services(url: &str) -> Vec<String> {
-        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut client = ServerReflectionClient::new(channel);
-        let req = ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(MessageRequest::ListServices(String::new())),
-        };
-        let mut stream = client
-            .server_reflection_info(tokio_stream::iter(vec![req]))
-            .await
-            .unwrap()
-            .into_inner();
-        let resp = stream.message().await.unwrap().unwrap();
-        match resp.message_response {
-            Some(MessageResponse::ListServicesResponse(l)) => {
-                l.service.into_iter().map(|s| s.name).collect()
-            }
-            other => panic!("unexpected reflection answer {other:?}"),
+    // Both protocols: v1, and v1alpha, the only one grpcio-reflection and older tools speak.
+    let listings = [
+        ("v1", reflection_v1::list_services(&cp.url).await),
+        ("v1alpha", reflection_v1alpha::list_services(&cp.url).await),
+    ];
+    for (protocol, services) in listings {
+        for s in [
+            "prefixrouter.v1.ControlPlane",
+            "prefixrouter.v1.RoutingDiscovery",
+        ] {
+            assert!(
+                services.iter().any(|x| x == s),
+                "{s} missing from the {protocol} listing {services:?}"
+            );
         }
     }
 }
+
+/// A minimal reflection client (list services) on tonic-reflection's generated types of one
+/// protocol version; the two versions' messages are the same shape in different packages.
+macro_rules! reflection_client {
+    ($name:ident, $pb:path) => {
+        mod $name {
+            use pb::server_reflection_client::ServerReflectionClient;
+            use pb::server_reflection_request::MessageRequest;
+            use pb::server_reflection_response::MessageResponse;
+            use pb::ServerReflectionRequest;
+            use $pb as pb;
+
+            pub async fn list_services(url: &str) -> Vec<String> {
+                let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+                    .unwrap()
+                    .connect()
+                    .await
+                    .unwrap();
+                let mut client = ServerReflectionClient::new(channel);
+                let req = ServerReflectionRequest {
+                    host: String::new(),
+                    message_request: Some(MessageRequest::ListServices(String::new())),
+                };
+                let mut stream = client
+                    .server_reflection_info(tokio_stream::iter(vec![req]))
+                    .await
+                    .unwrap()
+                    .into_inner();
+                let resp = stream.message().await.unwrap().unwrap();
+                match resp.message_response {
+                    Some(MessageResponse::ListServicesResponse(l)) => {
+                        l.service.into_iter().map(|s| s.name).collect()
+                    }
+                    other => panic!("unexpected reflection answer {other:?}"),
+                }
+            }
+        }
+    };
+}
+reflection_client!(reflection_v1, tonic_reflection::pb::v1);
+reflection_client!(reflection_v1alpha, tonic_reflection::pb::v1alpha);
