@@ -75,9 +75,38 @@ pub struct ServeOptions {
 pub fn open_store(data_dir: &std::path::Path) -> anyhow::Result<Arc<Store>> {
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("cannot use data dir {}", data_dir.display()))?;
-    let store = Store::open(data_dir)
-        .with_context(|| format!("cannot open data dir {}", data_dir.display()))?;
-    Ok(Arc::new(store))
+    match Store::open(data_dir) {
+        Ok(store) => Ok(Arc::new(store)),
+        // sled's text for this one repeats the OS error's debug form; say what it means.
+        Err(store::StoreError::Storage(sled::Error::Io(e)))
+            if e.to_string().contains("could not acquire lock") =>
+        {
+            anyhow::bail!(
+                "cannot open data dir {}: it is locked by another process (another control-plane?)",
+                data_dir.display()
+            )
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot open data dir {}", data_dir.display())),
+    }
+}
+
+/// The part of start-up that can fail before the API socket is announced: the store opened and
+/// the metrics socket bound. The binary calls it before it says it listens.
+pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOptions)> {
+    let store = open_store(&config.data_dir)?;
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
+        ),
+        None => None,
+    };
+    let options = ServeOptions {
+        lease_check_interval: Duration::from_millis(config.lease_check_interval_ms),
+        metrics_listener,
+    };
+    Ok((store, options))
 }
 
 /// Serves the control plane on `listener` until `shutdown` resolves, then stops watch streams,
@@ -87,19 +116,7 @@ pub async fn serve(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let metrics_listener = match config.metrics_listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
-        ),
-        None => None,
-    };
-    let store = open_store(&config.data_dir)?;
-    let options = ServeOptions {
-        lease_check_interval: Duration::from_millis(config.lease_check_interval_ms),
-        metrics_listener,
-    };
+    let (store, options) = prepare(&config).await?;
     serve_with(listener, store, options, shutdown).await
 }
 

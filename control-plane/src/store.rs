@@ -50,13 +50,21 @@ pub enum StoreError {
     },
     #[error("{0}")]
     FailedPrecondition(String),
+    // The text carries the cause, so it is not also linked as `source`: a cause chain printed
+    // with `{:#}` names it once.
     #[error("storage error: {0}")]
-    Storage(#[from] sled::Error),
-    #[error("corrupt record in {tree}: {source}")]
+    Storage(sled::Error),
+    #[error("corrupt record in {tree}: {error}")]
     Corrupt {
         tree: &'static str,
-        source: prost::DecodeError,
+        error: prost::DecodeError,
     },
+}
+
+impl From<sled::Error> for StoreError {
+    fn from(e: sled::Error) -> Self {
+        StoreError::Storage(e)
+    }
 }
 
 fn not_found(kind: &'static str, name: &str) -> StoreError {
@@ -132,7 +140,7 @@ fn read_u64(bytes: &[u8]) -> u64 {
 }
 
 fn decode<M: Message + Default>(tree: &'static str, bytes: &[u8]) -> Result<M, StoreError> {
-    M::decode(bytes).map_err(|source| StoreError::Corrupt { tree, source })
+    M::decode(bytes).map_err(|error| StoreError::Corrupt { tree, error })
 }
 
 impl Store {

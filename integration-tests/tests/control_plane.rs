@@ -897,7 +897,8 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
         up.routing_table_version + 1
     );
 
-    // A second control plane on the same data dir is refused with one clear line.
+    // A second control plane on the same data dir is refused with one clear line: it never says
+    // it listens (the store opens first), and the cause is named once.
     let out = std::process::Command::new(integration_tests::bin("control-plane"))
         .args(["--data-dir", data, "--listen", "127.0.0.1:0"])
         .output()
@@ -905,6 +906,9 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cannot open data dir"), "{stderr}");
+    assert!(!stderr.contains("listening"), "{stderr}");
+    assert_eq!(stderr.matches("lock").count(), 1, "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 
     server.kill9();
     drop(c);
