@@ -82,6 +82,11 @@ pub struct Config {
     #[arg(long, default_value_t = 16 * 1024 * 1024)]
     pub max_body_bytes: usize,
 
+    /// Require `Authorization: Bearer KEY` on every `/v1/*` request, as vLLM's `--api-key` does
+    /// (401 `{"error": "Unauthorized"}` otherwise; `/health` and `/metrics` stay open).
+    #[arg(long, value_name = "KEY", env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,

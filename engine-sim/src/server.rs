@@ -175,7 +175,30 @@ fn method_not_allowed(method: &Method, path: &str, allow: &'static str) -> Respo
     r
 }
 
+/// vLLM's `--api-key` check: `/v1/*` needs `Authorization: Bearer KEY`.
+fn authorized(engine: &Engine, req: &Request<Incoming>) -> bool {
+    let Some(key) = &engine.config.api_key else {
+        return true;
+    };
+    if !req.uri().path().starts_with("/v1/") {
+        return true;
+    }
+    req.headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| credentials::bearer(v.as_bytes()))
+        .is_some_and(|presented| {
+            use subtle::ConstantTimeEq as _;
+            bool::from(presented.ct_eq(key.as_bytes()))
+        })
+}
+
 async fn route(engine: &Arc<Engine>, req: Request<Incoming>) -> Response<ResponseBody> {
+    if !authorized(engine, &req) {
+        return json_response(
+            StatusCode::UNAUTHORIZED,
+            Bytes::from_static(br#"{"error":"Unauthorized"}"#),
+        );
+    }
     let method = req.method();
     let get = method == Method::GET || method == Method::HEAD;
     match req.uri().path() {

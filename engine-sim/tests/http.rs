@@ -558,3 +558,37 @@ async fn the_next_turn_of_a_chat_hits_the_previous_answer() {
     );
     server.stop().await;
 }
+
+#[tokio::test]
+async fn api_key_guards_the_v1_routes_like_vllm() {
+    use http_body_util::Full;
+    let config = Config {
+        api_key: Some("sk-engine-1".into()),
+        ..fast_config()
+    };
+    let server = TestServer::start(config).await;
+    let body = chat("system", "hi", 2, false).to_string();
+    let call = |auth: Option<&'static str>| {
+        let mut req = http::Request::builder()
+            .method(Method::POST)
+            .uri(server.url("/v1/chat/completions"))
+            .header("content-type", "application/json");
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let req = req.body(Full::new(Bytes::from(body.clone()))).unwrap();
+        server.client.request(req)
+    };
+    for wrong in [None, Some("Bearer sk-engine-2"), Some("sk-engine-1")] {
+        let resp = call(wrong).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED, "{wrong:?}");
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&bytes[..], br#"{"error":"Unauthorized"}"#);
+    }
+    let resp = call(Some("Bearer sk-engine-1")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // health and metrics stay open, as in vLLM
+    assert_eq!(server.get_text("/health").await.0, StatusCode::OK);
+    assert_eq!(server.get_text("/metrics").await.0, StatusCode::OK);
+    server.stop().await;
+}
