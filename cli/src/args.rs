@@ -30,15 +30,32 @@ pub struct Cli {
     pub output: OutputFormat,
 
     /// Bearer token sent with every call (`authorization: Bearer TOKEN`), for a control plane
-    /// behind an authenticating proxy.
+    /// started with --auth-token-file (or behind an authenticating proxy).
     #[arg(
         long,
         global = true,
         value_name = "TOKEN",
         env = "PREFIX_ROUTER_TOKEN",
-        hide_env_values = true
+        hide_env_values = true,
+        conflicts_with = "bearer_token_file"
     )]
     pub bearer_token: Option<String>,
+
+    /// Like --bearer-token, read from the first line of a file (`prefixctl up` prints its path).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub bearer_token_file: Option<std::path::PathBuf>,
+
+    /// PEM CA certificate to trust for an https:// control plane (default: the system's roots).
+    #[arg(long, global = true, value_name = "PEM")]
+    pub ca_cert: Option<std::path::PathBuf>,
+
+    /// PEM client certificate for a control plane that requires mutual TLS (with --tls-key).
+    #[arg(long, global = true, value_name = "PEM", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, global = true, value_name = "PEM", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
 
     /// Logs on stderr and traces of the API commands and `up` (`bench` and `demo` log nothing).
     #[command(flatten)]

@@ -2,7 +2,7 @@
 //! ([`proto::client::Client`]) and prints one result.
 
 use futures_util::StreamExt;
-use proto::client::{Client, ClientOptions};
+use proto::client::{Client, ClientOptions, TlsOptions};
 use proto::PrefixAwareRoutingConfig;
 
 use crate::args::{
@@ -16,10 +16,20 @@ use crate::shapes::{
 };
 use crate::variants::{load_production_variants, parse_strategy};
 
-/// Connects to `--control-plane` with `--bearer-token`.
+/// Connects to `--control-plane` with `--bearer-token` (or `--bearer-token-file`) and the TLS
+/// flags.
 pub async fn connect(cli: &Cli) -> Result<Client, proto::client::Error> {
+    let bearer_token = match (&cli.bearer_token, &cli.bearer_token_file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(path)) => Some(credentials::read_first(path).map_err(|e| {
+            proto::client::Error::InvalidToken(format!("--bearer-token-file: {e}"))
+        })?),
+        (None, None) => None,
+    };
+    let identity = cli.tls_cert.as_deref().zip(cli.tls_key.as_deref());
     let options = ClientOptions {
-        bearer_token: cli.bearer_token.clone(),
+        bearer_token,
+        tls: TlsOptions::from_files(cli.ca_cert.as_deref(), identity)?,
         ..ClientOptions::default()
     };
     Client::connect_with(cli.control_plane.as_str(), options).await

@@ -85,6 +85,8 @@ pub struct Discovery {
     store: Arc<Store>,
     nodes: Arc<NodeRegistry>,
     shutdown: watch::Receiver<bool>,
+    /// One permit per open watch stream (`--max-watch-streams`).
+    streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl Discovery {
@@ -99,7 +101,14 @@ impl Discovery {
             store,
             nodes,
             shutdown,
+            streams: Arc::new(tokio::sync::Semaphore::new(4096)),
         }
+    }
+
+    /// At most `n` watch streams at once; more are refused with `RESOURCE_EXHAUSTED`.
+    pub fn with_max_streams(mut self, n: usize) -> Self {
+        self.streams = Arc::new(tokio::sync::Semaphore::new(n));
+        self
     }
 }
 
@@ -113,9 +122,15 @@ impl RoutingDiscovery for Discovery {
         &self,
         request: Request<Streaming<WatchRoutingTableRequest>>,
     ) -> Result<Response<Self::WatchRoutingTableStream>, Status> {
+        let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(
+                "too many routing-table watch streams are open on this control plane (--max-watch-streams); retry later or on another replica",
+            )
+        })?;
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let session = Session {
+            _permit: permit,
             tables: self.store.subscribe(),
             nodes: self.nodes.clone(),
             shutdown: self.shutdown.clone(),
@@ -129,6 +144,8 @@ impl RoutingDiscovery for Discovery {
 }
 
 struct Session {
+    /// Held for the stream's life.
+    _permit: tokio::sync::OwnedSemaphorePermit,
     tables: watch::Receiver<Arc<PublishedTable>>,
     nodes: Arc<NodeRegistry>,
     shutdown: watch::Receiver<bool>,

@@ -16,6 +16,7 @@
 //! sled transaction as the change and is flushed before the RPC returns; nothing is written before
 //! validation passes; the control plane is the only writer of its data dir (sled's file lock).
 
+pub mod auth;
 pub mod discovery;
 pub mod metrics;
 pub mod model;
@@ -57,6 +58,30 @@ pub struct Config {
     /// Address to serve Prometheus metrics on (`GET /metrics`), e.g. 127.0.0.1:7071. Default: off.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Bearer tokens, one per line as `TOKEN ROLE` (ROLE `admin`, the default, or `reader`:
+    /// Describe, List and WatchRoutingTable only). Every RPC then needs `authorization: Bearer
+    /// TOKEN`. Re-read when the file changes and on SIGHUP.
+    #[arg(long, value_name = "PATH")]
+    pub auth_token_file: Option<PathBuf>,
+    /// PEM certificate chain: serve gRPC over TLS (with --tls-key).
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificates: require a client certificate signed by one of them (mutual TLS).
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Serve on a non-loopback address with neither --auth-token-file nor --tls-client-ca:
+    /// anyone who reaches the port can then change routing.
+    #[arg(long)]
+    pub insecure: bool,
+    /// Most WatchRoutingTable streams open at once (past it: RESOURCE_EXHAUSTED).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_watch_streams: u32,
+    /// Largest gRPC request message accepted, in bytes (past it: RESOURCE_EXHAUSTED).
+    #[arg(long, default_value_t = 4 << 20, value_parser = clap::value_parser!(u64).range(1024..=(256 << 20)))]
+    pub max_message_bytes: u64,
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
@@ -69,6 +94,63 @@ pub struct ServeOptions {
     pub lease_check_interval: Duration,
     /// Where to serve `GET /metrics`, if anywhere.
     pub metrics_listener: Option<TcpListener>,
+    /// Tokens every call must carry (`--auth-token-file`); `None`: no authentication.
+    pub auth: Option<Arc<credentials::SecretFile<auth::Role>>>,
+    /// TLS (and mTLS) settings; `None`: plaintext.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// `--max-watch-streams`.
+    pub max_watch_streams: usize,
+    /// `--max-message-bytes`.
+    pub max_message_bytes: usize,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            lease_check_interval: Duration::from_secs(1),
+            metrics_listener: None,
+            auth: None,
+            tls: None,
+            max_watch_streams: 4096,
+            max_message_bytes: 4 << 20,
+        }
+    }
+}
+
+impl Config {
+    /// Refuses to expose an unauthenticated API beyond loopback unless `--insecure`.
+    pub fn check_exposure(&self) -> anyhow::Result<()> {
+        let authenticated = self.auth_token_file.is_some() || self.tls_client_ca.is_some();
+        if !authenticated && !self.listen.ip().is_loopback() && !self.insecure {
+            anyhow::bail!(
+                "refusing to serve on {} without --auth-token-file: anyone who reaches it could change routing (give --auth-token-file PATH or --tls-client-ca PEM, or --insecure to serve unauthenticated anyway)",
+                self.listen
+            );
+        }
+        Ok(())
+    }
+
+    /// The TLS settings of `--tls-cert`, `--tls-key` and `--tls-client-ca`.
+    pub fn tls(&self) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
+            return Ok(None);
+        };
+        let read = |path: &PathBuf, flag: &str| {
+            std::fs::read(path).with_context(|| format!("cannot read {flag} {}", path.display()))
+        };
+        let identity = tonic::transport::Identity::from_pem(
+            read(cert, "--tls-cert")?,
+            read(key, "--tls-key")?,
+        );
+        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.tls_client_ca {
+            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read(
+                ca,
+                "--tls-client-ca",
+            )?));
+        }
+        Ok(Some(tls))
+    }
 }
 
 /// Opens the store, with an error that names the data dir.
@@ -93,6 +175,12 @@ pub fn open_store(data_dir: &std::path::Path) -> anyhow::Result<Arc<Store>> {
 /// The part of start-up that can fail before the API socket is announced: the store opened and
 /// the metrics socket bound. The binary calls it before it says it listens.
 pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOptions)> {
+    config.check_exposure()?;
+    let auth = match &config.auth_token_file {
+        Some(path) => Some(auth::open_token_file(path).context("--auth-token-file")?),
+        None => None,
+    };
+    let tls = config.tls()?;
     let store = open_store(&config.data_dir)?;
     let metrics_listener = match config.metrics_listen {
         Some(addr) => Some(
@@ -105,6 +193,10 @@ pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOption
     let options = ServeOptions {
         lease_check_interval: Duration::from_millis(config.lease_check_interval_ms),
         metrics_listener,
+        auth,
+        tls,
+        max_watch_streams: config.max_watch_streams as usize,
+        max_message_bytes: config.max_message_bytes as usize,
     };
     Ok((store, options))
 }
@@ -132,7 +224,7 @@ pub async fn serve_store(
         store,
         ServeOptions {
             lease_check_interval,
-            metrics_listener: None,
+            ..ServeOptions::default()
         },
         shutdown,
     )
@@ -182,18 +274,39 @@ pub async fn serve_with(
         .context("building gRPC reflection service (v1alpha)")?;
 
     let local = listener.local_addr().ok();
-    tracing::info!(listen = ?local, "control plane serving");
-    let result = tonic::transport::Server::builder()
+    tracing::info!(
+        listen = ?local,
+        auth = options.auth.is_some(),
+        tls = options.tls.is_some(),
+        "control plane serving"
+    );
+    let token_reload = options
+        .auth
+        .as_ref()
+        .map(|tokens| tokens.spawn_reload("auth token file"));
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = options.tls {
+        builder = builder
+            .tls_config(tls)
+            .context("configuring TLS (--tls-cert, --tls-key, --tls-client-ca)")?;
+    }
+    let max_message = options.max_message_bytes;
+    let result = builder
         .layer(rpc_layer::RpcLayer::new(rpc_stats))
-        .add_service(proto::control_plane_server::ControlPlaneServer::new(
-            ControlPlaneService::new(store.clone(), nodes.clone()),
-        ))
+        .layer(auth::AuthLayer::new(options.auth))
         .add_service(
-            proto::routing_discovery_server::RoutingDiscoveryServer::new(Discovery::new(
+            proto::control_plane_server::ControlPlaneServer::new(ControlPlaneService::new(
                 store.clone(),
-                nodes,
-                stop_rx,
-            )),
+                nodes.clone(),
+            ))
+            .max_decoding_message_size(max_message),
+        )
+        .add_service(
+            proto::routing_discovery_server::RoutingDiscoveryServer::new(
+                Discovery::new(store.clone(), nodes, stop_rx)
+                    .with_max_streams(options.max_watch_streams),
+            )
+            .max_decoding_message_size(max_message),
         )
         .add_service(reflection)
         .add_service(reflection_v1alpha)
@@ -203,6 +316,9 @@ pub async fn serve_with(
             let _ = stop_tx.send(true);
         })
         .await;
+    if let Some(t) = token_reload {
+        t.abort();
+    }
     reaper.abort();
     if let Some(m) = metrics_server {
         m.abort();

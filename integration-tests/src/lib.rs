@@ -55,6 +55,7 @@ impl InProcessControlPlane {
         let options = control_plane::ServeOptions {
             lease_check_interval: lease_check,
             metrics_listener,
+            ..control_plane::ServeOptions::default()
         };
         let handle = tokio::spawn(control_plane::serve_with(
             listener,
@@ -216,5 +217,37 @@ where
             "timed out waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Whether a test that needs an outside tool may run: `Ok(())` when `available`, else the reason.
+/// Under `CI=true` a missing tool fails the test (CI installs it); elsewhere the test prints
+/// `SKIPPED: ...` and returns.
+pub fn require_tool(test: &str, available: Result<(), String>) -> bool {
+    match available {
+        Ok(()) => true,
+        Err(reason) if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("{test}: {reason} (CI=true: .ci/run installs it)")
+        }
+        Err(reason) => {
+            eprintln!("SKIPPED {test}: {reason}");
+            false
+        }
+    }
+}
+
+/// `Ok(())` when `python3` runs and imports every one of `modules`, else why not.
+pub fn python_modules(modules: &[&str]) -> Result<(), String> {
+    let import = format!("import {}", modules.join(", "));
+    match Command::new("python3").args(["-c", &import]).output() {
+        Err(e) => Err(format!("python3 is not runnable: {e}")),
+        Ok(out) if !out.status.success() => Err(format!(
+            "python3 cannot `{import}`: {}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        )),
+        Ok(_) => Ok(()),
     }
 }

@@ -85,6 +85,9 @@ pub enum Error {
     /// The control plane answered, but without a field the API promises.
     #[error("malformed response from the control plane: {0}")]
     Malformed(String),
+    /// TLS settings that cannot be used (unreadable file, TLS options on an http:// URL).
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 impl Error {
@@ -93,7 +96,10 @@ impl Error {
         match self {
             Error::Api { code, .. } => Some(*code),
             Error::Unreachable { .. } => Some(Code::Unavailable),
-            Error::InvalidUrl { .. } | Error::InvalidToken(_) | Error::Malformed(_) => None,
+            Error::InvalidUrl { .. }
+            | Error::InvalidToken(_)
+            | Error::Malformed(_)
+            | Error::Tls(_) => None,
         }
     }
 
@@ -119,6 +125,8 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Sent as `authorization: Bearer TOKEN` with every call, when set.
     pub bearer_token: Option<String>,
+    /// How to reach an `https://` control plane.
+    pub tls: TlsOptions,
 }
 
 impl Default for ClientOptions {
@@ -127,7 +135,92 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             bearer_token: None,
+            tls: TlsOptions::default(),
         }
+    }
+}
+
+/// TLS towards an `https://` control plane: the CA to trust (the system's roots when none) and,
+/// for mutual TLS, this client's certificate and key. All PEM.
+#[derive(Debug, Clone, Default)]
+pub struct TlsOptions {
+    pub ca_cert_pem: Option<Vec<u8>>,
+    /// `(certificate chain, private key)`.
+    pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl TlsOptions {
+    /// Reads the PEM files (`--ca-cert`, `--tls-cert`, `--tls-key`); errors name the file.
+    pub fn from_files(
+        ca_cert: Option<&std::path::Path>,
+        identity: Option<(&std::path::Path, &std::path::Path)>,
+    ) -> Result<Self, Error> {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| Error::Tls(format!("cannot read {}: {e}", p.display())))
+        };
+        Ok(TlsOptions {
+            ca_cert_pem: ca_cert.map(read).transpose()?,
+            identity_pem: match identity {
+                Some((cert, key)) => Some((read(cert)?, read(key)?)),
+                None => None,
+            },
+        })
+    }
+
+    /// The channel's TLS settings for `url`: `None` for `http://`.
+    pub fn for_url(&self, url: &str) -> Result<Option<tonic::transport::ClientTlsConfig>, Error> {
+        if !url.starts_with("https://") {
+            if self.ca_cert_pem.is_some() || self.identity_pem.is_some() {
+                return Err(Error::Tls(format!(
+                    "TLS options were given but {url} is not an https:// URL"
+                )));
+            }
+            return Ok(None);
+        }
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        tls = match &self.ca_cert_pem {
+            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+            None => tls.with_native_roots(),
+        };
+        if let Some((cert, key)) = &self.identity_pem {
+            tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        Ok(Some(tls))
+    }
+}
+
+/// A channel endpoint for `url` with `tls` applied (for `https://`).
+pub fn endpoint(
+    given: &str,
+    url: &str,
+    tls: &TlsOptions,
+    connect_timeout: Duration,
+) -> Result<TonicEndpoint, Error> {
+    let mut endpoint = TonicEndpoint::from_shared(url.to_string())
+        .map_err(|e| Error::InvalidUrl {
+            url: given.to_string(),
+            cause: error_chain(&e),
+        })?
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true);
+    if let Some(config) = tls.for_url(url)? {
+        endpoint = endpoint.tls_config(config).map_err(|e| {
+            Error::Tls(format!(
+                "cannot use the TLS settings for {url}: {}",
+                error_chain(&e)
+            ))
+        })?;
+    }
+    Ok(endpoint)
+}
+
+/// A hint added to connection errors on `http://` URLs: a TLS server closes a plaintext
+/// connection without a word.
+pub fn plaintext_hint(url: &str) -> &'static str {
+    if url.starts_with("http://") {
+        " (if the control plane serves TLS, use an https:// URL)"
+    } else {
+        ""
     }
 }
 
@@ -261,16 +354,10 @@ impl Client {
     ) -> Result<Self, Error> {
         let given: String = url.into();
         let url = normalize_url(&given);
-        let endpoint = TonicEndpoint::from_shared(url.clone())
-            .map_err(|e| Error::InvalidUrl {
-                url: given.clone(),
-                cause: error_chain(&e),
-            })?
-            .connect_timeout(options.connect_timeout)
-            .tcp_nodelay(true);
+        let endpoint = endpoint(&given, &url, &options.tls, options.connect_timeout)?;
         let channel = endpoint.connect().await.map_err(|e| Error::Unreachable {
             url: url.clone(),
-            cause: error_chain(&e),
+            cause: format!("{}{}", error_chain(&e), plaintext_hint(&url)),
         })?;
         let auth = CallMetadata::new(options.bearer_token.as_deref())?;
         Ok(Self {
@@ -627,7 +714,7 @@ fn status_to_error(url: &str, status: Status) -> Error {
         if let Some(source) = status.source() {
             return Error::Unreachable {
                 url: url.into(),
-                cause: error_chain(source),
+                cause: format!("{}{}", error_chain(source), plaintext_hint(url)),
             };
         }
     }
