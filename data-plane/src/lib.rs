@@ -15,6 +15,7 @@
 //! - `proxy`: HTTP handling and forwarding (hyper 1, pooled keep-alive connections, streamed
 //!   bodies, one retry, JSON errors, the `route` / `upstream` spans and W3C `traceparent` in and
 //!   out); [`metrics`]: Prometheus text from atomics.
+//! - [`models`]: `GET /v1/models` from the routing table (every other `/v1/*` path is proxied).
 //!
 //! Invariants:
 //! - The data plane never writes state anywhere but memory, except the optional table cache file.
@@ -40,6 +41,7 @@ pub mod config;
 pub mod load;
 pub mod metrics;
 pub mod placement;
+pub mod models;
 pub mod prefix_index;
 pub mod prompt;
 mod proxy;

@@ -294,7 +294,7 @@ impl Placement {
                 .ok_or_else(|| RouteError::UnknownEndpoint(name.to_string()));
         }
         let model = match req.kind {
-            BodyKind::OpenAi => find_model(req.body),
+            BodyKind::OpenAi | BodyKind::Responses => find_model(req.body),
             BodyKind::Raw => None,
         };
         if let Some(e) = model.as_deref().and_then(|m| table.endpoint(m)) {

@@ -3,7 +3,10 @@
 //! The canonical prompt text matches engine-sim's token and cache accounting:
 //! - chat: for each message in order, `role`, `"\n"`, content text, `"\n"` (content is a string or
 //!   an array of parts whose `text` is taken when `type` is `"text"`);
-//! - completions: the `prompt` string (or the first string of an array);
+//! - completions: the `prompt` string (or the first string of an array); other OpenAI bodies with
+//!   an `input` instead (`/v1/embeddings`, `/v1/moderations`) the same way;
+//! - `/v1/responses`: the `instructions` string, `"\n"`, then the `input` string, or, when `input`
+//!   is an array of items, its JSON text as sent (a later turn resends the earlier items first);
 //! - `/invocations`, and any body that is not such JSON: the raw bytes.
 //!
 //! The key region is the start of that text: `prefix_length` characters (bytes for raw bodies), and
@@ -43,8 +46,11 @@ pub const DEFAULT_SEED: u64 = 0x7072_6566_6978_6b79; // "prefixky"
 /// How the body of a request is read for its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BodyKind {
-    /// OpenAI `/v1/chat/completions` or `/v1/completions`: JSON with `messages` or `prompt`.
+    /// OpenAI `/v1/chat/completions`, `/v1/completions` and the other `/v1/*` bodies: JSON with
+    /// `messages`, `prompt` or `input`.
     OpenAi,
+    /// OpenAI `/v1/responses`: JSON with `instructions` and `input`, in either order.
+    Responses,
     /// `/invocations`: the raw bytes.
     Raw,
 }
@@ -89,12 +95,12 @@ pub fn seed_for(prefix_aware_id: Option<&[u8]>) -> u64 {
 /// The key of a request body. Never fails: anything unreadable as the expected JSON is keyed by its
 /// raw bytes.
 pub fn prompt_key(kind: BodyKind, body: &[u8], prefix_length: usize, seed: u64) -> PromptKey {
-    if kind == BodyKind::OpenAi {
-        if let Some(key) = json_key(body, prefix_length, seed, Depth::Shallow) {
-            return key;
-        }
-    }
-    raw_key(body, prefix_length, seed)
+    let key = match kind {
+        BodyKind::OpenAi => json_key(body, prefix_length, seed, Depth::Shallow),
+        BodyKind::Responses => responses_key(body, prefix_length, seed),
+        BodyKind::Raw => None,
+    };
+    key.unwrap_or_else(|| raw_key(body, prefix_length, seed))
 }
 
 /// The conversation key of a chat whose [`prompt_key`] is `head_only`: the whole head (up to
@@ -647,7 +653,7 @@ fn json_key(body: &[u8], limit: usize, seed: u64, depth: Depth) -> Option<Prompt
         if s.is(k, "messages") {
             return chat_key(&mut s, limit, seed, depth);
         }
-        if s.is(k, "prompt") {
+        if s.is(k, "prompt") || s.is(k, "input") {
             return completion_key(&mut s, limit, seed);
         }
         s.skip_value()?;
@@ -655,6 +661,54 @@ fn json_key(body: &[u8], limit: usize, seed: u64, depth: Depth) -> Option<Prompt
             return None;
         }
     }
+}
+
+/// The key of a `/v1/responses` body: `instructions`, a newline, then `input` (its text when a
+/// string, its JSON text when an array of items). The two fields may come in either order, so
+/// the top-level object is scanned until both are found (values skipped, not decoded).
+fn responses_key(body: &[u8], limit: usize, seed: u64) -> Option<PromptKey> {
+    let mut s = Scan::new(body);
+    if !s.eat(b'{') || s.eat(b'}') {
+        return None;
+    }
+    let mut instructions: Option<Span> = None;
+    let mut input: Option<Span> = None; // the whole value, quotes or brackets included
+    loop {
+        let k = s.key()?;
+        s.ws();
+        if s.is(k, "instructions") && s.peek() == Some(b'"') {
+            instructions = Some(s.string()?);
+        } else if s.is(k, "input") {
+            let start = s.pos;
+            s.skip_value()?;
+            input = Some(Span { start, end: s.pos });
+        } else {
+            s.skip_value()?;
+        }
+        if (instructions.is_some() && input.is_some()) || !s.next_or_close(b'}')? {
+            break;
+        }
+    }
+    if instructions.is_none() && input.is_none() {
+        return None;
+    }
+    let mut key = TextKey::new(limit, seed);
+    if let Some(span) = instructions {
+        emit_span(body, span, &mut key)?;
+        key.push(b"\n");
+    }
+    if let Some(value) = input {
+        if body[value.start] == b'"' {
+            let text = Span {
+                start: value.start + 1,
+                end: value.end - 1,
+            };
+            emit_span(body, text, &mut key)?;
+        } else {
+            key.push(&body[value.start..value.end]);
+        }
+    }
+    key.finish(KeySource::Completion)
 }
 
 fn completion_key(s: &mut Scan<'_>, limit: usize, seed: u64) -> Option<PromptKey> {
@@ -1065,6 +1119,64 @@ mod tests {
             }
         };
         let mut messages = vec![message("system", &system)];
+    #[test]
+    fn embeddings_input_is_keyed_like_a_prompt() {
+        let input = chat(r#"{"model":"e","input":"The handbook, section 4"}"#, 64);
+        let prompt = chat(r#"{"model":"e","prompt":"The handbook, section 4"}"#, 64);
+        assert_eq!(input.hash, prompt.hash);
+        assert_eq!(input.source, KeySource::Completion);
+        assert_eq!(
+            input.hash,
+            text_hash("The handbook, section 4", DEFAULT_SEED)
+        );
+        let list = chat(r#"{"input":["The handbook, section 4","other"]}"#, 64);
+        assert_eq!(list.hash, input.hash);
+    }
+
+    #[test]
+    fn responses_key_on_instructions_then_input_in_either_order() {
+        let responses = |body: &str, limit| {
+            prompt_key(BodyKind::Responses, body.as_bytes(), limit, DEFAULT_SEED)
+        };
+        let expected = text_hash("Be brief.\nWhat is a KV cache?", DEFAULT_SEED);
+        let a = responses(
+            r#"{"model":"e","instructions":"Be brief.","input":"What is a KV cache?"}"#,
+            1000,
+        );
+        let b = responses(
+            r#"{"input":"What is a KV cache?","stream":false,"instructions":"Be brief."}"#,
+            1000,
+        );
+        assert_eq!((a.hash, a.source), (expected, KeySource::Completion));
+        assert_eq!(b.hash, expected);
+        // The key region is the start: the same instructions and a long shared input start.
+        let long = "x".repeat(100);
+        let c = responses(
+            &format!(r#"{{"instructions":"Be brief.","input":"{long} 1"}}"#),
+            64,
+        );
+        let d = responses(
+            &format!(r#"{{"instructions":"Be brief.","input":"{long} 2"}}"#),
+            64,
+        );
+        assert_eq!(c.hash, d.hash);
+        assert_ne!(
+            responses(
+                r#"{"instructions":"Be terse.","input":"What is a KV cache?"}"#,
+                1000
+            )
+            .hash,
+            expected
+        );
+        // Input items: their JSON text, so a later turn that resends them keeps the key.
+        let items = r#"[{"role":"user","content":"hi"}]"#;
+        let e = responses(&format!(r#"{{"input":{items}}}"#), 1000);
+        assert_eq!(e.hash, text_hash(items, DEFAULT_SEED));
+        // Neither field: the raw bytes.
+        let raw = r#"{"model":"e"}"#;
+        assert_eq!(responses(raw, 1000).source, KeySource::Raw);
+    }
+
         for t in 0..turns {
             if t > 0 {
                 messages.push(message("assistant", "Done."));

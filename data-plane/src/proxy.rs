@@ -76,16 +76,25 @@ impl Router {
     ) -> Result<Response<ResponseBody>, Infallible> {
         let path = req.uri().path();
         let response = match path {
-            "/v1/chat/completions" | "/v1/completions" => {
-                if req.method() != Method::POST {
-                    return Ok(self.unrouted(None, 405, "use POST", "method_not_allowed"));
-                }
+            "/v1/chat/completions" | "/v1/completions" if req.method() != Method::POST => {
+                self.unrouted(None, 405, "use POST", "method_not_allowed")
+            }
+            _ if path.starts_with("/v1/models") && req.method() == Method::GET => self.models(path),
+            // Chat, completions and the rest of the OpenAI surface (embeddings, responses,
+            // tokenize, audio, ...): to an instance of the endpoint chosen by header, `model`
+            // or default.
+            _ if path.starts_with("/v1/") => {
+                let kind = if path == "/v1/responses" {
+                    BodyKind::Responses
+                } else {
+                    BodyKind::OpenAi
+                };
                 let upstream = req
                     .uri()
                     .path_and_query()
                     .cloned()
                     .unwrap_or_else(|| PathAndQuery::from_static("/"));
-                self.proxy(req, BodyKind::OpenAi, None, upstream).await
+                self.proxy(req, kind, None, upstream).await
             }
             "/healthz" => json_response(200, r#"{"status":"ok"}"#),
             "/readyz" => match self.table.load().as_ref() {
@@ -133,6 +142,29 @@ impl Router {
             },
         };
         Ok(response)
+    }
+
+    /// `GET /v1/models` and `GET /v1/models/{id}` from the table (see [`crate::models`]).
+    fn models(&self, path: &str) -> Response<ResponseBody> {
+        let table = self.table.load();
+        let Some(table) = table.as_deref() else {
+            let msg = "no routing table applied yet";
+            return self.unrouted(None, 503, msg, "service_unavailable");
+        };
+        let body = match path.strip_prefix("/v1/models") {
+            Some("" | "/") => Some(crate::models::list(table)),
+            Some(rest) => rest
+                .strip_prefix('/')
+                .and_then(|id| crate::models::retrieve(table, id)),
+            None => None,
+        };
+        match body {
+            Some(body) => json_response(200, body),
+            None => {
+                let msg = format!("no model {path:?} here: GET /v1/models lists them");
+                self.unrouted(Some(table), 404, &msg, "not_found_error")
+            }
+        }
     }
 
     /// [`Self::route_and_forward`] inside the request's `route` span.

@@ -11,6 +11,8 @@
 //! - [`engine`]: the timing model (admission, prefill lane, decode steps) and counters
 //!   ([`Engine`], [`Stats`]).
 //! - `metrics`: Prometheus exposition with vLLM's metric names.
+//! - `embeddings` (`/v1/embeddings`, deterministic unit vectors) and `responses` (`/v1/responses`,
+//!   non-streaming, through the same engine as completions).
 //! - `openai`: response bodies and SSE framing; `server`: HTTP routes, graceful shutdown and the
 //!   `completion` / `queue` / `prefill` / `decode` spans ([`serve`], [`serve_engine`]).
 //!
@@ -23,11 +25,13 @@
 //! - Nothing is logged at info level per request.
 
 pub mod config;
+mod embeddings;
 pub mod engine;
 pub mod kv_cache;
 mod metrics;
 mod openai;
 pub mod prompt;
+mod responses;
 mod server;
 
 pub use config::Config;

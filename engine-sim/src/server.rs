@@ -141,7 +141,7 @@ fn response(status: StatusCode, content_type: &'static str, body: Bytes) -> Resp
     r
 }
 
-fn json_response(status: StatusCode, body: Bytes) -> Response<ResponseBody> {
+pub(crate) fn json_response(status: StatusCode, body: Bytes) -> Response<ResponseBody> {
     response(status, "application/json", body)
 }
 
@@ -154,7 +154,7 @@ fn error(
     json_response(status, openai::error_body(message, kind, param))
 }
 
-fn invalid(e: &InvalidRequest) -> Response<ResponseBody> {
+pub(crate) fn invalid(e: &InvalidRequest) -> Response<ResponseBody> {
     error(
         StatusCode::BAD_REQUEST,
         "invalid_request_error",
@@ -208,6 +208,8 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>) -> Response<Respons
         "/v1/completions" if method == Method::POST => {
             completion(engine, ApiKind::Completions, req).await
         }
+        "/v1/embeddings" if method == Method::POST => crate::embeddings::handle(engine, req).await,
+        "/v1/responses" if method == Method::POST => crate::responses::handle(engine, req).await,
         "/health" if get => response(StatusCode::OK, "text/plain", Bytes::new()),
         "/metrics" if get => response(
             StatusCode::OK,
@@ -215,7 +217,7 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>) -> Response<Respons
             Bytes::from(crate::metrics::render(engine)),
         ),
         "/v1/models" if get => models(engine),
-        path @ ("/v1/chat/completions" | "/v1/completions") => {
+        path @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/responses") => {
             method_not_allowed(method, path, "POST")
         }
         path @ ("/health" | "/metrics" | "/v1/models") => {
@@ -224,13 +226,13 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>) -> Response<Respons
         path => error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
-            &format!("unknown path {path:?} (this server has /v1/chat/completions, /v1/completions, /v1/models, /metrics, /health)"),
+            &format!("unknown path {path:?} (this server has /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/models, /metrics, /health)"),
             None,
         ),
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -252,6 +254,20 @@ fn models(engine: &Engine) -> Response<ResponseBody> {
         }],
     });
     json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// Reads the whole body as JSON (413 past `--max-body-bytes`, 400 when it is not JSON).
+pub(crate) async fn read_json(
+    engine: &Engine,
+    req: Request<Incoming>,
+) -> Result<Value, Response<ResponseBody>> {
+    let raw = read_body(req, engine.config().max_body_bytes).await?;
+    serde_json::from_slice(&raw).map_err(|e| {
+        invalid(&InvalidRequest {
+            message: format!("request body is not valid JSON: {e}"),
+            param: None,
+        })
+    })
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413.

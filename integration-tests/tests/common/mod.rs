@@ -123,6 +123,15 @@ impl Fleet {
         self.send(req).await
     }
 
+    /// A POST of a JSON body through the data plane.
+    pub async fn post_json(&self, path: &str, body: &serde_json::Value) -> Answer {
+        let req = http::Request::post(format!("{}{path}", self.router))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+            .unwrap();
+        self.send(req).await
+    }
+
     async fn send(&self, req: http::Request<Full<Bytes>>) -> Answer {
         let resp = tokio::time::timeout(Duration::from_secs(30), self.http.request(req))
             .await
