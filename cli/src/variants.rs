@@ -17,12 +17,29 @@ pub struct ProductionVariantDoc {
     pub variant_name: String,
     #[serde(default)]
     pub model_name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "weight_in_f32_range"
+    )]
     pub initial_variant_weight: Option<f32>,
     #[serde(default)]
     pub instances: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_config: Option<RoutingConfigDoc>,
+}
+
+/// The weight as the wire's 32-bit float, refused (with serde's line and column) when a number
+/// that large would silently become infinite.
+fn weight_in_f32_range<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+    match Option::<f64>::deserialize(d)? {
+        None => Ok(None),
+        Some(w) if (w as f32).is_finite() => Ok(Some(w as f32)),
+        Some(w) => Err(serde::de::Error::custom(format!(
+            "InitialVariantWeight {w:e} is out of range (at most {:e})",
+            f32::MAX
+        ))),
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -232,6 +249,20 @@ mod tests {
             e.starts_with(
                 r#"cannot read --production-variants file "/nonexistent/variants.json": "#
             ),
+            "{e}"
+        );
+        // found by tests/variants_props.rs: a weight past f32 became -inf, refused by the
+        // control plane as "weight -inf", far from what was typed
+        let e = parse_production_variants(
+            r#"[{"VariantName":"v1","InitialVariantWeight":-1e300}]"#,
+            "x",
+        )
+        .unwrap_err()
+        .0;
+        assert!(
+            e.starts_with(
+                "invalid --production-variants x: InitialVariantWeight -1e300 is out of range"
+            ) && e.contains("line 1 column"),
             "{e}"
         );
         let e = parse_production_variants(r#"[{"ModelName":"m"}]"#, "x")

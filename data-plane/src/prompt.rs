@@ -794,10 +794,7 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
                                     if s.peek() == Some(b'"') {
                                         s.skip_value()?; // else the string ended with the key
                                     }
-                                    while s.next_or_close(b'}')? {
-                                        s.key()?;
-                                        s.skip_value()?;
-                                    }
+                                    skip_rest_of_object(s)?;
                                     return done(&key, user, Some(s));
                                 }
                                 return done(&key, user, None);
@@ -813,6 +810,13 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
                             let mut parts = Scan { b: s.b, pos: s.pos };
                             emit_parts(&mut parts, &mut key)?;
                             if key.full {
+                                if user && depth == Depth::Deep {
+                                    // `s` is still at the parts array: skip it and the rest of
+                                    // the message to see what follows (as for string content).
+                                    s.skip_value()?;
+                                    skip_rest_of_object(s)?;
+                                    return done(&key, user, Some(s));
+                                }
                                 return done(&key, user, None);
                             }
                             s.pos = parts.pos;
@@ -853,6 +857,15 @@ fn chat_key(s: &mut Scan<'_>, limit: usize, seed: u64, depth: Depth) -> Option<P
             return done(&key, false, None);
         }
     }
+}
+
+/// Skips the remaining members of the object the cursor is in (after a value), and its `}`.
+fn skip_rest_of_object(s: &mut Scan<'_>) -> Option<()> {
+    while s.next_or_close(b'}')? {
+        s.key()?;
+        s.skip_value()?;
+    }
+    Some(())
 }
 
 /// Feeds the `text` of every `{"type":"text"}` part of the array at the cursor.
@@ -1215,6 +1228,25 @@ mod tests {
             let whole = chat(&a1, 4096);
             assert!(!whole.head_only);
             assert!(deep_prompt_key(a3.as_bytes(), 4096, DEFAULT_SEED).is_some());
+        }
+    }
+
+    #[test]
+    fn a_first_turn_whose_key_ends_inside_content_parts_is_a_first_turn_in_any_member_order() {
+        // Found by tests/prompt_props.rs: with `role` before a parts array whose text fills the
+        // key, the deep key said "not the first turn" (the rest of the message was not read).
+        let text = "a".repeat(43);
+        let parts = format!(r#"[{{"type":"text","text":"{text}"}}]"#);
+        for body in [
+            format!(r#"{{"messages":[{{"role":"user","content":{parts},"name":""}}]}}"#),
+            format!(r#"{{"messages":[{{"name":"","content":{parts},"role":"user"}}]}}"#),
+        ] {
+            let k = deep_prompt_key(body.as_bytes(), 48, DEFAULT_SEED).unwrap();
+            assert!(k.first_turn, "{body}");
+            let two = body.replace("}]}", r#"},{"role":"assistant","content":"ok"}]}"#);
+            let k2 = deep_prompt_key(two.as_bytes(), 48, DEFAULT_SEED).unwrap();
+            assert!(!k2.first_turn, "{two}");
+            assert_eq!(k.hash, k2.hash);
         }
     }
 

@@ -303,6 +303,43 @@ mod tests {
         assert!(b.next_delay() <= Duration::from_millis(100));
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x15),
+            failure_persistence: None,
+            ..proptest::test_runner::Config::default()
+        })]
+
+        /// Whatever bytes arrive as a table: a NACK naming the problem and the last good table
+        /// kept, or a valid table applied and ACKed. Never a panic.
+        #[test]
+        fn arbitrary_table_bytes_are_nacked_or_applied(
+            version in 0u64..4,
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+        ) {
+            let router = Router::new(&crate::Config::default());
+            let response = WatchRoutingTableResponse {
+                version,
+                nonce: "n1".into(),
+                routing_table: bytes.into(),
+            };
+            let (answer, applied) = apply(&router, "node", response);
+            proptest::prop_assert_eq!(answer.response_nonce, "n1");
+            match router.table.load().as_ref() {
+                Some(t) => {
+                    proptest::prop_assert!(answer.error_detail.is_empty());
+                    proptest::prop_assert_eq!(answer.applied_version, t.version());
+                    proptest::prop_assert!(applied.is_some());
+                }
+                None => {
+                    proptest::prop_assert!(!answer.error_detail.is_empty());
+                    proptest::prop_assert_eq!(answer.applied_version, 0);
+                    proptest::prop_assert_eq!(router.metrics.tables_rejected.load(Relaxed), 1);
+                }
+            }
+        }
+    }
+
     #[test]
     fn atomic_write_replaces_the_file() {
         let dir = tempfile::tempdir().unwrap();
