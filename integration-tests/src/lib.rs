@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: start the real servers (in-process on
 //! `127.0.0.1:0`, or as child processes of the built binaries) and build API requests.
 
+pub mod fault;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
