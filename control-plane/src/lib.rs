@@ -370,3 +370,39 @@ pub async fn shutdown_signal() {
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    #[test]
+    fn exposure_needs_credentials_or_insecure() {
+        let check = |args: &[&str]| {
+            let mut all = vec!["control-plane"];
+            all.extend_from_slice(args);
+            super::Config::parse_from(all).check_exposure()
+        };
+        assert!(check(&[]).is_ok(), "loopback by default");
+        assert!(check(&["--listen", "[::1]:7070"]).is_ok());
+        let e = check(&["--listen", "0.0.0.0:7070"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("0.0.0.0:7070") && e.contains("--insecure"),
+            "{e}"
+        );
+        assert!(check(&["--listen", "0.0.0.0:7070", "--insecure"]).is_ok());
+        assert!(check(&["--listen", "0.0.0.0:7070", "--auth-token-file", "t"]).is_ok());
+        assert!(check(&[
+            "--listen",
+            "0.0.0.0:7070",
+            "--tls-cert",
+            "c",
+            "--tls-key",
+            "k",
+            "--tls-client-ca",
+            "ca"
+        ])
+        .is_ok());
+    }
+}

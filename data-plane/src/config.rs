@@ -65,6 +65,65 @@ pub struct Config {
     #[arg(long, default_value_t = 0)]
     pub workers: usize,
 
+    /// File whose first line is this router's token for the control plane (one of its
+    /// --auth-token-file tokens, any role); re-read at each reconnect.
+    #[arg(long, value_name = "PATH")]
+    pub auth_token_file: Option<PathBuf>,
+
+    /// PEM CA certificate to trust for an https:// control plane (default: the system's roots).
+    #[arg(long, value_name = "PEM")]
+    pub ca_cert: Option<PathBuf>,
+
+    /// PEM client certificate for a control plane that requires mutual TLS.
+    #[arg(long, value_name = "PEM", requires = "control_plane_tls_key")]
+    pub control_plane_tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --control-plane-tls-cert.
+    #[arg(long, value_name = "PEM", requires = "control_plane_tls_cert")]
+    pub control_plane_tls_key: Option<PathBuf>,
+
+    /// Client API keys, one per line: requests (all but /healthz, /readyz, /metrics) must carry
+    /// `Authorization: Bearer KEY` (401 otherwise). Re-read when the file changes.
+    #[arg(long, value_name = "PATH")]
+    pub api_key_file: Option<PathBuf>,
+
+    /// Pass the client's `Authorization` header on to instances (by default it is removed).
+    #[arg(long)]
+    pub forward_authorization: bool,
+
+    /// File whose first line is the key sent to instances as `Authorization: Bearer KEY`
+    /// (vLLM's --api-key); replaces any client header.
+    #[arg(long, value_name = "PATH")]
+    pub upstream_api_key_file: Option<PathBuf>,
+
+    /// Most requests in flight through this router; past it: 503 with Retry-After.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub max_in_flight: u64,
+
+    /// Most header fields in a request (more: 431).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(8..=10_000))]
+    pub max_headers: u64,
+
+    /// Largest request head (request line and headers) in bytes (larger: 431).
+    #[arg(long, default_value_t = 64 * 1024, value_parser = clap::value_parser!(u64).range(8192..=(16 << 20)))]
+    pub max_header_bytes: u64,
+
+    /// Time a client has to send its request head, in milliseconds (slow clients are cut off).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_read_timeout_ms: u64,
+
+    /// Time a client has to send its whole request body, in milliseconds (408 past it).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_read_timeout_ms: u64,
+
+    /// PEM certificate chain: serve HTTPS on --listen (with --tls-key).
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,

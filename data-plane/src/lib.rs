@@ -37,15 +37,17 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
+mod access;
 pub mod config;
 pub mod load;
 pub mod metrics;
-pub mod placement;
 pub mod models;
+pub mod placement;
 pub mod prefix_index;
 pub mod prompt;
 mod proxy;
 pub mod table;
+mod tls;
 mod upstream;
 mod watch;
 
@@ -69,6 +71,43 @@ async fn reached(stop: &mut tokio::sync::watch::Receiver<u8>, level: u8) {
     let _ = stop.wait_for(|&s| s >= level).await;
 }
 
+/// What `serve` reads from files before it serves: the API keys, the listener's TLS and the
+/// control plane's TLS settings.
+struct Prepared {
+    access: access::Access,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    control_plane_tls: proto::client::TlsOptions,
+}
+
+fn prepare(config: &Config) -> anyhow::Result<Prepared> {
+    let access = access::Access::load(config)?;
+    let tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::acceptor(cert, key)?),
+        _ => None,
+    };
+    let control_plane_tls = proto::client::TlsOptions::from_files(
+        config.ca_cert.as_deref(),
+        config
+            .control_plane_tls_cert
+            .as_deref()
+            .zip(config.control_plane_tls_key.as_deref()),
+    )?;
+    if let Some(path) = &config.auth_token_file {
+        credentials::read_first(path).map_err(|e| anyhow::anyhow!("--auth-token-file: {e}"))?;
+    }
+    Ok(Prepared {
+        access,
+        tls,
+        control_plane_tls,
+    })
+}
+
+/// Checks every file the flags name (keys, tokens, certificates) as `serve` will read them, so
+/// the binary can fail before it says it listens.
+pub fn check_files(config: &Config) -> anyhow::Result<()> {
+    prepare(config).map(drop)
+}
+
 /// Serves the router on `listener` until `shutdown` completes, then drains: stops accepting,
 /// lets in-flight requests finish (up to `--shutdown-grace-ms`) and returns.
 ///
@@ -86,7 +125,16 @@ pub async fn serve(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let router = Arc::new(proxy::Router::new(&config));
+    let Prepared {
+        access,
+        tls,
+        control_plane_tls,
+    } = prepare(&config)?;
+    let router = Arc::new(proxy::Router::new(&config, access));
+    let _key_reload = router
+        .access
+        .api_keys()
+        .map(|keys| AbortOnDrop(keys.spawn_reload("API key file")));
     if let Some(path) = &config.table_cache {
         match watch::load_cache(&router, path) {
             Ok(Some(version)) => {
@@ -102,6 +150,10 @@ pub async fn serve(
         config.control_plane.clone(),
         node_id.clone(),
         config.table_cache.clone(),
+        watch::ControlPlaneCredentials {
+            token_file: config.auth_token_file.clone(),
+            tls: control_plane_tls,
+        },
     )));
     let workers = router.metrics.worker_connections.len();
     if let Ok(addr) = listener.local_addr() {
@@ -118,6 +170,7 @@ pub async fn serve(
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         handoff.push(tx);
         let (router, stop, drain) = (router.clone(), stop_rx.clone(), drain_tx.clone());
+        let settings = ConnectionSettings::new(&config, tls.clone());
         std::thread::Builder::new()
             .name(format!("data-plane-{worker}"))
             .spawn(move || {
@@ -132,7 +185,7 @@ pub async fn serve(
                     }
                 };
                 upstream::set_worker(worker);
-                runtime.block_on(worker_loop(worker, rx, router, stop, drain));
+                runtime.block_on(worker_loop(worker, rx, router, stop, drain, settings));
             })?;
     }
     let mut shutdown = std::pin::pin!(shutdown);
@@ -190,6 +243,7 @@ async fn worker_loop(
     router: Arc<proxy::Router>,
     stop: tokio::sync::watch::Receiver<u8>,
     drain: tokio::sync::mpsc::Sender<()>,
+    settings: ConnectionSettings,
 ) {
     // Connections of this worker: they must finish before its runtime (returning) drops them.
     let mut connections = tokio::task::JoinSet::new();
@@ -207,21 +261,13 @@ async fn worker_loop(
         let router = router.clone();
         let mut stop = stop.clone();
         let drain = drain.clone();
+        let settings = settings.clone();
         connections.spawn(async move {
-            let handler = router.clone();
-            let service = service_fn(move |req| handler.clone().handle(req));
-            let conn = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .keep_alive(true)
-                .serve_connection(TokioIo::new(stream), service);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = reached(&mut stop, 1) => {
-                    conn.as_mut().graceful_shutdown();
-                    tokio::select! {
-                        _ = conn.as_mut() => {}
-                        _ = reached(&mut stop, 2) => {}
+            match &settings.tls {
+                None => serve_connection(TokioIo::new(stream), &router, &mut stop, &settings).await,
+                Some(acceptor) => {
+                    if let Some(tls) = accept_tls(stream, acceptor, &settings).await {
+                        serve_connection(TokioIo::new(tls), &router, &mut stop, &settings).await;
                     }
                 }
             }
@@ -230,4 +276,85 @@ async fn worker_loop(
         });
     }
     while connections.join_next().await.is_some() {}
+}
+
+/// How connections are served: HTTP/1 limits and TLS.
+#[derive(Clone)]
+struct ConnectionSettings {
+    max_headers: usize,
+    max_header_bytes: usize,
+    header_read_timeout: Duration,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+impl ConnectionSettings {
+    fn new(config: &Config, tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
+        ConnectionSettings {
+            max_headers: usize::try_from(config.max_headers).unwrap_or(100),
+            max_header_bytes: usize::try_from(config.max_header_bytes).unwrap_or(64 * 1024),
+            header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+            tls,
+        }
+    }
+}
+
+/// The TLS handshake, within the header read timeout. A client that speaks plain HTTP gets a
+/// 400 that says to use https:// (rather than a reset it cannot explain).
+async fn accept_tls(
+    stream: tokio::net::TcpStream,
+    acceptor: &tokio_rustls::TlsAcceptor,
+    settings: &ConnectionSettings,
+) -> Option<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
+    use tokio::io::AsyncWriteExt as _;
+    let handshake = async {
+        let mut first = [0u8; 1];
+        let mut stream = stream;
+        if matches!(stream.peek(&mut first).await, Ok(1) if first[0] != tls::HANDSHAKE) {
+            let _ = stream.write_all(&tls::plaintext_refusal()).await;
+            let _ = stream.shutdown().await;
+            return None;
+        }
+        match acceptor.accept(stream).await {
+            Ok(tls) => Some(tls),
+            Err(e) => {
+                tracing::debug!("TLS handshake failed: {e}");
+                None
+            }
+        }
+    };
+    tokio::time::timeout(settings.header_read_timeout, handshake)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Serves one connection until it closes, or drains it once the shutdown stage is reached.
+async fn serve_connection<I>(
+    io: TokioIo<I>,
+    router: &Arc<proxy::Router>,
+    stop: &mut tokio::sync::watch::Receiver<u8>,
+    settings: &ConnectionSettings,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let handler = router.clone();
+    let service = service_fn(move |req| handler.clone().handle(req));
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .max_headers(settings.max_headers)
+        .max_header_size(settings.max_header_bytes)
+        .header_read_timeout(settings.header_read_timeout)
+        .serve_connection(io, service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = reached(stop, 1) => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = reached(stop, 2) => {}
+            }
+        }
+    }
 }

@@ -18,6 +18,10 @@ use data_plane::Config;
 async fn main() -> ExitCode {
     let config = Config::parse();
     let _telemetry = config.telemetry.init("data-plane");
+    if let Err(e) = data_plane::check_files(&config) {
+        eprintln!("data-plane: {e:#}");
+        return ExitCode::FAILURE;
+    }
     let listener = match tokio::net::TcpListener::bind(&config.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -25,6 +29,9 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Ok(addr) = listener.local_addr() {
+        eprintln!("data-plane listening on {addr}");
+    }
     match data_plane::serve(listener, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -28,6 +28,7 @@ use tokio::time::Sleep;
 use tracing::field::Empty;
 use tracing::Span;
 
+use crate::access::{self, Access, Admission};
 use crate::config::Config;
 use crate::load::{now_ms, InFlight};
 use crate::metrics::Metrics;
@@ -50,12 +51,14 @@ pub(crate) struct Router {
     pub(crate) table: ArcSwapOption<RoutingTable>,
     pub(crate) placement: Placement,
     pub(crate) metrics: Metrics,
+    pub(crate) access: Access,
     max_body_bytes: usize,
     request_timeout: Duration,
+    body_read_timeout: Duration,
 }
 
 impl Router {
-    pub(crate) fn new(config: &Config) -> Self {
+    pub(crate) fn new(config: &Config, access: Access) -> Self {
         Router {
             table: ArcSwapOption::empty(),
             placement: Placement::new(
@@ -65,8 +68,10 @@ impl Router {
             )
             .with_hot_key_spread(config.hot_key_spread),
             metrics: Metrics::with_workers(config.resolved_workers()),
+            access,
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),
+            body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
         }
     }
 
@@ -75,6 +80,12 @@ impl Router {
         req: Request<Incoming>,
     ) -> Result<Response<ResponseBody>, Infallible> {
         let path = req.uri().path();
+        if !access::is_open_path(path) {
+            if let Err(refusal) = self.access.authenticate(req.headers()) {
+                self.metrics.record_unrouted(401);
+                return Ok(access::refusal_response(&refusal));
+            }
+        }
         let response = match path {
             "/v1/chat/completions" | "/v1/completions" if req.method() != Method::POST => {
                 self.unrouted(None, 405, "use POST", "method_not_allowed")
@@ -167,8 +178,30 @@ impl Router {
         }
     }
 
-    /// [`Self::route_and_forward`] inside the request's `route` span.
+    /// Admits the request under `--max-in-flight` (503 past it), then routes and forwards it.
     async fn proxy(
+        &self,
+        req: Request<Incoming>,
+        kind: BodyKind,
+        path_endpoint: Option<String>,
+        upstream_path: PathAndQuery,
+    ) -> Response<ResponseBody> {
+        let admission = match self.access.admit() {
+            Ok(a) => a,
+            Err(refusal) => {
+                self.metrics.record_unrouted(503);
+                return access::refusal_response(&refusal);
+            }
+        };
+        let mut response = self
+            .traced_route_and_forward(req, kind, path_endpoint, upstream_path)
+            .await;
+        response.body_mut().admission = Some(admission);
+        response
+    }
+
+    /// [`Self::route_and_forward`] inside the request's `route` span.
+    async fn traced_route_and_forward(
         &self,
         req: Request<Incoming>,
         kind: BodyKind,
@@ -248,13 +281,14 @@ impl Router {
         let read = tokio::select! {
             biased;
             read = Limited::new(body, self.max_body_bytes).collect() => Ok(read),
-            () = deadline.as_mut() => Err(()),
+            () = deadline.as_mut() => Err(504),
+            () = tokio::time::sleep(self.body_read_timeout) => Err(408),
         };
         let body = match read {
-            Err(()) => {
+            Err(status) => {
                 return self.unrouted(
                     Some(&table),
-                    504,
+                    status,
                     "timed out reading the request body",
                     "timeout_error",
                 )
@@ -325,6 +359,9 @@ impl Router {
     ) -> Response<ResponseBody> {
         let variant = route.variant;
         let mut retried = false;
+        let authorization = self
+            .access
+            .upstream_authorization(parts.headers.get(header::AUTHORIZATION));
         loop {
             let instance = &variant.instances()[route.instance];
             let target = match instance.target(upstream_path) {
@@ -350,7 +387,13 @@ impl Router {
             );
             let traced = !upstream.is_disabled();
             let make = || {
-                let mut request = upstream_request(parts, &target, instance.host(), &body);
+                let mut request = upstream_request(
+                    parts,
+                    &target,
+                    instance.host(),
+                    authorization.as_ref(),
+                    &body,
+                );
                 if traced {
                     telemetry::propagation::inject_headers(&upstream, request.headers_mut());
                 }
@@ -682,11 +725,13 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// The request to an instance: the client's method and end-to-end headers, `target` (origin
-/// form), the instance's `Host`, and the body.
+/// form), the instance's `Host`, the `authorization` chosen by [`Access`] (the client's own is
+/// never copied), and the body.
 fn upstream_request(
     parts: &http::request::Parts,
     target: &http::Uri,
     host: &HeaderValue,
+    authorization: Option<&HeaderValue>,
     body: &Bytes,
 ) -> Request<UpstreamBody> {
     let mut req = Request::new(Full::new(body.clone()));
@@ -701,10 +746,14 @@ fn upstream_request(
             || name == header::CONTENT_LENGTH
             || name == header::EXPECT
             || name == header::PROXY_AUTHORIZATION
+            || name == header::AUTHORIZATION
         {
             continue;
         }
         headers.append(name.clone(), value.clone());
+    }
+    if let Some(a) = authorization {
+        headers.insert(header::AUTHORIZATION, a.clone());
     }
     req
 }
@@ -721,7 +770,7 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     msg
 }
 
-fn json_response(status: u16, body: impl Into<Bytes>) -> Response<ResponseBody> {
+pub(crate) fn json_response(status: u16, body: impl Into<Bytes>) -> Response<ResponseBody> {
     let mut r = Response::new(ResponseBody::full(body));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut().insert(
@@ -750,6 +799,8 @@ pub enum BodyError {
 /// holding the instance's in-flight count until it ends or is dropped (client gone).
 pub struct ResponseBody {
     kind: Inner,
+    /// The request's place under `--max-in-flight`, given back when the body is done.
+    admission: Option<Admission>,
 }
 
 enum Inner {
@@ -769,6 +820,7 @@ impl ResponseBody {
     pub fn full(bytes: impl Into<Bytes>) -> Self {
         ResponseBody {
             kind: Inner::Full(Some(bytes.into())),
+            admission: None,
         }
     }
 
@@ -787,6 +839,7 @@ impl ResponseBody {
                 deadline,
                 trace,
             },
+            admission: None,
         }
     }
 }

@@ -63,6 +63,8 @@ enum WatchError {
     Connect(tonic::transport::Error),
     #[error("stream failed: {0}")]
     Status(#[from] tonic::Status),
+    #[error("{0}")]
+    Credentials(String),
 }
 
 impl WatchError {
@@ -70,7 +72,7 @@ impl WatchError {
     /// keep serving and keep trying).
     fn is_fatal(&self) -> bool {
         match self {
-            WatchError::Url(_) => true,
+            WatchError::Url(_) | WatchError::Credentials(_) => true,
             WatchError::Connect(_) => false,
             WatchError::Status(s) => matches!(
                 s.code(),
@@ -84,8 +86,39 @@ impl WatchError {
     }
 }
 
+/// How the data plane proves itself to the control plane: `--auth-token-file` (read at each
+/// connect, so a rotated token is picked up on the next reconnect) and TLS for `https://`.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ControlPlaneCredentials {
+    pub(crate) token_file: Option<PathBuf>,
+    pub(crate) tls: proto::client::TlsOptions,
+}
+
+impl ControlPlaneCredentials {
+    /// The `authorization` value to send, if a token file is set.
+    fn authorization(&self) -> Result<Option<tonic::metadata::AsciiMetadataValue>, WatchError> {
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let token = credentials::read_first(path)
+            .map_err(|e| WatchError::Credentials(format!("--auth-token-file: {e}")))?;
+        format!("Bearer {token}").parse().map(Some).map_err(|_| {
+            WatchError::Credentials(format!(
+                "--auth-token-file {}: the token has characters a header cannot carry",
+                path.display()
+            ))
+        })
+    }
+}
+
 /// Runs until dropped (aborted with the server).
-pub(crate) async fn run(router: Arc<Router>, url: String, node_id: String, cache: Option<PathBuf>) {
+pub(crate) async fn run(
+    router: Arc<Router>,
+    url: String,
+    node_id: String,
+    cache: Option<PathBuf>,
+    credentials: ControlPlaneCredentials,
+) {
     let mut backoff = Backoff::new(BACKOFF_BASE, BACKOFF_MAX);
     let mut failures = 0u32;
     loop {
@@ -94,6 +127,7 @@ pub(crate) async fn run(router: Arc<Router>, url: String, node_id: String, cache
             &url,
             &node_id,
             cache.as_deref(),
+            &credentials,
             &mut backoff,
             &mut failures,
         )
@@ -126,11 +160,21 @@ async fn watch_once(
     url: &str,
     node_id: &str,
     cache: Option<&Path>,
+    credentials: &ControlPlaneCredentials,
     backoff: &mut Backoff,
     failures: &mut u32,
 ) -> Result<(), WatchError> {
-    let endpoint = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(WatchError::Url)?
+    let mut endpoint =
+        tonic::transport::Endpoint::from_shared(url.to_string()).map_err(WatchError::Url)?;
+    if let Some(tls) = credentials
+        .tls
+        .for_url(url)
+        .map_err(|e| WatchError::Credentials(e.to_string()))?
+    {
+        endpoint = endpoint.tls_config(tls).map_err(WatchError::Url)?;
+    }
+    let authorization = credentials.authorization()?;
+    let endpoint = endpoint
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
@@ -147,10 +191,11 @@ async fn watch_once(
         applied_version: held,
         ..Default::default()
     });
-    let mut inbound = client
-        .watch_routing_table(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    if let Some(value) = authorization {
+        request.metadata_mut().insert("authorization", value);
+    }
+    let mut inbound = client.watch_routing_table(request).await?.into_inner();
     router.metrics.control_plane_connected.store(1, Relaxed);
     if *failures > 0 {
         tracing::info!(control_plane = %url, "routing-table watch reconnected");
@@ -317,7 +362,8 @@ mod tests {
             version in 0u64..4,
             bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
         ) {
-            let router = Router::new(&crate::Config::default());
+            let config = crate::Config::default();
+            let router = Router::new(&config, crate::access::Access::load(&config).unwrap());
             let response = WatchRoutingTableResponse {
                 version,
                 nonce: "n1".into(),

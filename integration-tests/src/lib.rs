@@ -137,16 +137,24 @@ pub fn bin(name: &str) -> PathBuf {
 pub struct ChildServer {
     pub child: Child,
     pub addr: SocketAddr,
+    /// Everything the child wrote to stderr so far.
+    pub logs: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl ChildServer {
     /// Starts `bin` with `args` plus `--listen 127.0.0.1:0` and waits for its
     /// `NAME listening on ADDR` line on stderr.
     pub fn start(name: &str, args: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with_env(name, args, &[])
+    }
+
+    /// [`Self::start`] with extra environment variables (e.g. `RUST_LOG`).
+    pub fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
         use std::io::{BufRead, BufReader};
         let mut child = Command::new(bin(name))
             .args(args)
             .args(["--listen", "127.0.0.1:0"])
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -154,17 +162,30 @@ impl ChildServer {
         let stderr = child.stderr.take().expect("piped stderr");
         let mut lines = BufReader::new(stderr).lines();
         let needle = format!("{name} listening on ");
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let keep = |logs: &std::sync::Mutex<String>, line: &str| {
+            let mut l = logs.lock().unwrap_or_else(|e| e.into_inner());
+            l.push_str(line);
+            l.push('\n');
+        };
         for line in lines.by_ref() {
             let line = line?;
+            keep(&logs, &line);
             if let Some(rest) = line.split(&needle).nth(1) {
                 let addr: SocketAddr = rest.trim().parse()?;
                 // Keep draining stderr so the child never blocks on a full pipe.
-                std::thread::spawn(move || for _ in lines {});
-                return Ok(Self { child, addr });
+                let kept = logs.clone();
+                std::thread::spawn(move || {
+                    for line in lines.map_while(Result::ok) {
+                        keep(&kept, &line);
+                    }
+                });
+                return Ok(Self { child, addr, logs });
             }
         }
         let status = child.wait()?;
-        anyhow::bail!("{name} exited ({status}) before it listened")
+        let logs = logs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        anyhow::bail!("{name} exited ({status}) before it listened: {logs}")
     }
 
     pub fn url(&self) -> String {

@@ -718,9 +718,15 @@ fn status_to_error(url: &str, status: Status) -> Error {
             };
         }
     }
+    // A TLS server drops a plaintext HTTP/2 connection: the call ends as cancelled.
+    let hint = if status.code() == Code::Cancelled {
+        plaintext_hint(url)
+    } else {
+        ""
+    };
     Error::Api {
         code: status.code(),
-        message: status.message().to_string(),
+        message: format!("{}{hint}", status.message()),
     }
 }
 

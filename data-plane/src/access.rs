@@ -1,0 +1,251 @@
+//! Who may use the router and how much at once: client API keys (`--api-key-file`), the
+//! credentials sent on to instances (`--forward-authorization`, `--upstream-api-key-file`), and
+//! the router-wide cap on requests in flight (`--max-in-flight`).
+//!
+//! The key check compares a keyed digest of the presented key with every configured key in
+//! constant time ([`credentials::Keyring`]); the key file is re-read when it changes. Neither a
+//! client's key nor the upstream key is ever logged, traced or put in an error message.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::Response;
+
+use credentials::SecretFile;
+
+use crate::config::Config;
+use crate::proxy::ResponseBody;
+
+/// Paths anyone may call: probes and metrics (as vLLM leaves `/health` and `/metrics` open).
+pub(crate) fn is_open_path(path: &str) -> bool {
+    matches!(path, "/healthz" | "/readyz" | "/metrics")
+}
+
+/// The access settings of a router.
+#[derive(Debug, Default)]
+pub(crate) struct Access {
+    api_keys: Option<Arc<SecretFile<()>>>,
+    forward_authorization: bool,
+    upstream_authorization: Option<HeaderValue>,
+    max_in_flight: usize,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Why a request is not let in.
+pub(crate) enum Refusal {
+    /// 401: no key, or not one of ours.
+    Unauthorized(&'static str),
+    /// 503: `--max-in-flight` reached.
+    Overloaded(usize),
+}
+
+impl Access {
+    /// Reads `--api-key-file` and `--upstream-api-key-file`; errors name the flag and file.
+    pub(crate) fn load(config: &Config) -> anyhow::Result<Self> {
+        let api_keys = match &config.api_key_file {
+            Some(path) => Some(Arc::new(
+                SecretFile::open(path, credentials::no_label).context("--api-key-file")?,
+            )),
+            None => None,
+        };
+        let upstream_authorization = match &config.upstream_api_key_file {
+            Some(path) => {
+                let key = credentials::read_first(path).context("--upstream-api-key-file")?;
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                    anyhow::anyhow!(
+                        "--upstream-api-key-file {}: the key has characters a header cannot carry",
+                        path.display()
+                    )
+                })?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+            None => None,
+        };
+        Ok(Access {
+            api_keys,
+            forward_authorization: config.forward_authorization,
+            upstream_authorization,
+            max_in_flight: usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
+            in_flight: Arc::default(),
+        })
+    }
+
+    /// The key file, for its reload task.
+    pub(crate) fn api_keys(&self) -> Option<&Arc<SecretFile<()>>> {
+        self.api_keys.as_ref()
+    }
+
+    /// Checks the client's key (when keys are configured).
+    pub(crate) fn authenticate(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+        let Some(keys) = &self.api_keys else {
+            return Ok(());
+        };
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return Err(Refusal::Unauthorized(
+                "missing API key: send it as `Authorization: Bearer KEY`",
+            ));
+        };
+        match credentials::bearer(value.as_bytes()).and_then(|k| keys.check(k)) {
+            Some(()) => Ok(()),
+            None => Err(Refusal::Unauthorized("incorrect API key provided")),
+        }
+    }
+
+    /// Takes a place among the requests in flight, held until the response body ends (or the
+    /// client goes away).
+    pub(crate) fn admit(&self) -> Result<Admission, Refusal> {
+        let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let admission = Admission(self.in_flight.clone());
+        if before >= self.max_in_flight {
+            drop(admission);
+            return Err(Refusal::Overloaded(self.max_in_flight));
+        }
+        Ok(admission)
+    }
+
+    /// Requests in flight now.
+    #[cfg(test)]
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Sets the `authorization` an instance receives: the upstream key if one is configured,
+    /// the client's own only with `--forward-authorization`, none otherwise.
+    pub(crate) fn upstream_authorization(
+        &self,
+        client: Option<&HeaderValue>,
+    ) -> Option<HeaderValue> {
+        match (&self.upstream_authorization, client) {
+            (Some(key), _) => Some(key.clone()),
+            (None, Some(c)) if self.forward_authorization => Some(c.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// A place among the router's requests in flight; released on drop.
+#[derive(Debug)]
+pub(crate) struct Admission(Arc<AtomicUsize>);
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The OpenAI-shaped answer to a refusal.
+pub(crate) fn refusal_response(refusal: &Refusal) -> Response<ResponseBody> {
+    let (status, message, kind, code) = match refusal {
+        Refusal::Unauthorized(message) => (
+            401,
+            (*message).to_string(),
+            "invalid_request_error",
+            "invalid_api_key",
+        ),
+        Refusal::Overloaded(max) => (
+            503,
+            format!("the router has its limit of {max} requests in flight (--max-in-flight); retry shortly"),
+            "service_unavailable",
+            "overloaded",
+        ),
+    };
+    let body = serde_json::json!({
+        "error": { "message": message, "type": kind, "param": null, "code": code }
+    });
+    let mut r = crate::proxy::json_response(status, serde_json::to_vec(&body).unwrap_or_default());
+    match refusal {
+        Refusal::Unauthorized(_) => {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        Refusal::Overloaded(_) => {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    fn config(args: &[&str]) -> Config {
+        Config::parse_from(std::iter::once("data-plane").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn keys_are_checked_and_never_echoed() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, "sk-client-1\nsk-client-2\n").unwrap();
+        let access = Access::load(&config(&["--api-key-file", keys.to_str().unwrap()])).unwrap();
+        let mut h = HeaderMap::new();
+        assert!(
+            matches!(access.authenticate(&h), Err(Refusal::Unauthorized(m)) if m.contains("missing"))
+        );
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer sk-wrong"),
+        );
+        let Err(refusal) = access.authenticate(&h) else {
+            panic!("a wrong key passed")
+        };
+        let r = refusal_response(&refusal);
+        assert_eq!(r.status(), 401);
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer sk-client-2"),
+        );
+        assert!(access.authenticate(&h).is_ok());
+        // no key file: everyone is let in
+        assert!(Access::load(&config(&[]))
+            .unwrap()
+            .authenticate(&HeaderMap::new())
+            .is_ok());
+    }
+
+    #[test]
+    fn what_instances_receive() {
+        let dir = tempfile::tempdir().unwrap();
+        let up = dir.path().join("up");
+        std::fs::write(&up, "sk-upstream\n").unwrap();
+        let client = HeaderValue::from_static("Bearer sk-client");
+        let none = Access::load(&config(&[])).unwrap();
+        assert_eq!(none.upstream_authorization(Some(&client)), None);
+        let fwd = Access::load(&config(&["--forward-authorization"])).unwrap();
+        assert_eq!(
+            fwd.upstream_authorization(Some(&client)),
+            Some(client.clone())
+        );
+        let keyed =
+            Access::load(&config(&["--upstream-api-key-file", up.to_str().unwrap()])).unwrap();
+        assert_eq!(
+            keyed.upstream_authorization(Some(&client)).unwrap(),
+            "Bearer sk-upstream"
+        );
+        let e = Access::load(&config(&["--upstream-api-key-file", "/nonexistent/k"])).unwrap_err();
+        assert!(format!("{e:#}").contains("/nonexistent/k"), "{e:#}");
+    }
+
+    #[test]
+    fn admissions_stop_at_the_cap_and_come_back() {
+        let access = Access::load(&config(&["--max-in-flight", "2"])).unwrap();
+        let a = access.admit().ok().unwrap();
+        let b = access.admit().ok().unwrap();
+        let refused = access.admit().err().unwrap();
+        assert!(matches!(refused, Refusal::Overloaded(2)));
+        let r = refusal_response(&refused);
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(access.in_flight(), 2, "a refusal leaves no count behind");
+        drop(a);
+        let _c = access.admit().ok().unwrap();
+        drop(b);
+        assert_eq!(access.in_flight(), 1);
+    }
+}
