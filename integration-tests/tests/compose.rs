@@ -279,3 +279,95 @@ fn the_setup_script_parser_splits_prefixctl_calls() {
     assert_eq!(calls[1], ["c", "--y", "[{\"k\": 1}]"]);
     assert_eq!(calls[2], ["d"]);
 }
+
+#[test]
+fn prometheus_scrapes_every_server_and_grafana_loads_the_dashboard() {
+    let doc = compose();
+    let services = doc
+        .get("services")
+        .and_then(Value::as_mapping)
+        .expect("services");
+    // Every file or folder a service mounts from the repository exists.
+    for (name, service) in services {
+        for volume in service.get("volumes").map(strings).unwrap_or_default() {
+            if let Some(source) = volume.strip_prefix("./") {
+                let source = source.split(':').next().unwrap();
+                assert!(
+                    repo_file(source).exists(),
+                    "service {name:?} mounts ./{source}, which does not exist"
+                );
+            }
+        }
+    }
+    // What Prometheus must scrape: each server's metrics address (service:port).
+    let mut expected = BTreeSet::new();
+    for (name, service) in services {
+        let entrypoint = service.get("entrypoint").map(strings).unwrap_or_default();
+        let command = service.get("command").map(strings).unwrap_or_default();
+        let flag = match entrypoint.first().map(String::as_str) {
+            Some("control-plane") => "--metrics-listen",
+            Some("data-plane" | "engine-sim") => "--listen",
+            _ => continue,
+        };
+        let addr = flag_value(&command, flag).expect("a metrics address");
+        expected.insert(format!("{}:{}", name.as_str().unwrap(), port_of(addr)));
+    }
+    let prom: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo_file("deploy/prometheus/prometheus.yml")).unwrap(),
+    )
+    .expect("prometheus.yml is YAML");
+    let mut scraped = BTreeSet::new();
+    for job in prom["scrape_configs"]
+        .as_sequence()
+        .expect("scrape_configs")
+    {
+        for config in job["static_configs"].as_sequence().expect("static_configs") {
+            scraped.extend(strings(&config["targets"]));
+        }
+    }
+    assert_eq!(scraped, expected, "Prometheus scrapes exactly the servers");
+
+    // Grafana: its datasource is the compose Prometheus, under the uid the dashboard names, and
+    // the dashboards provider reads the folder the dashboard is mounted in.
+    let datasources: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo_file(
+            "deploy/grafana/provisioning/datasources/prometheus.yaml",
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let source = &datasources["datasources"][0];
+    let prometheus_ports = strings(&services["prometheus"]["ports"]);
+    assert_eq!(source["url"].as_str(), Some("http://prometheus:9090"));
+    assert!(prometheus_ports.iter().any(|p| port_of(p) == 9090));
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_file("deploy/grafana/prefix-router.json")).unwrap(),
+    )
+    .unwrap();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        assert_eq!(
+            panel["datasource"]["uid"].as_str(),
+            source["uid"].as_str(),
+            "panel {}",
+            panel["title"]
+        );
+    }
+    let providers: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo_file(
+            "deploy/grafana/provisioning/dashboards/prefix-router.yaml",
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let folder = providers["providers"][0]["options"]["path"]
+        .as_str()
+        .unwrap();
+    let mounts = strings(&services["grafana"]["volumes"]);
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m.starts_with("./deploy/grafana/prefix-router.json:")
+                && m.contains(&format!(":{folder}/"))),
+        "grafana mounts the dashboard into {folder}: {mounts:?}"
+    );
+}

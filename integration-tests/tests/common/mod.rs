@@ -36,9 +36,22 @@ impl Fleet {
     /// Starts everything and waits until the data plane is ready. The SDK calls run inside a
     /// `prefixctl` span, as the CLI's do.
     pub async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// [`Self::start`] with the control plane's `GET /metrics` served too.
+    pub async fn start_with_control_plane_metrics() -> Self {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(control_plane_metrics: bool) -> Self {
         use tracing::Instrument as _;
         let dir = tempfile::tempdir().unwrap();
-        let control_plane = InProcessControlPlane::start(dir.path()).await;
+        let control_plane = if control_plane_metrics {
+            InProcessControlPlane::start_with_metrics(dir.path()).await
+        } else {
+            InProcessControlPlane::start(dir.path()).await
+        };
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let engine_url = format!("http://{}", listener.local_addr().unwrap());
