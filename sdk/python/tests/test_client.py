@@ -219,3 +219,29 @@ def test_tls_with_a_ca_cert(tmp_path):
         prefix_router.Client("http://127.0.0.1:1", ca_cert=str(cert))
     with pytest.raises(ValueError, match="cannot read ca_cert"):
         prefix_router.Client("https://127.0.0.1:1", ca_cert=str(tmp_path / "missing.pem"))
+
+
+def test_tokens_and_roles_against_a_secured_control_plane(tmp_path):
+    from conftest import ControlPlane
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin-token admin\nreader-token reader\n")
+    cp = ControlPlane(tmp_path, ["--auth-token-file", str(tokens)])
+    try:
+        with pytest.raises(errors.UnauthenticatedError) as e:
+            prefix_router.Client(cp.url).list_endpoints()
+        assert str(e.value).startswith("UNAUTHENTICATED: ")
+        with pytest.raises(errors.UnauthenticatedError):
+            prefix_router.Client(cp.url, token="wrong").list_endpoints()
+        admin = prefix_router.Client(cp.url, token="admin-token")
+        admin.create_endpoint_config(endpoint_config_name="chat", production_variants=VARIANTS)
+        admin.create_endpoint(endpoint_name="chat", endpoint_config_name="chat")
+        reader = prefix_router.Client(cp.url, token="reader-token")
+        assert [e["EndpointName"] for e in reader.list_endpoints()["Endpoints"]] == ["chat"]
+        watch = reader.watch_routing_table(node_id="reader-watch")
+        assert next(watch)["Endpoints"][0]["EndpointName"] == "chat"
+        watch.close()
+        with pytest.raises(errors.PermissionDeniedError) as e:
+            reader.set_variant_routing_strategy("chat", "v1", "PREFIX_AWARE")
+        assert str(e.value).startswith("PERMISSION_DENIED: ")
+    finally:
+        cp.stop()
