@@ -42,7 +42,12 @@ pub struct Cli {
     pub bearer_token: Option<String>,
 
     /// Like --bearer-token, read from the first line of a file (`prefixctl up` prints its path).
-    #[arg(long, global = true, value_name = "PATH")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = "PREFIX_ROUTER_TOKEN_FILE"
+    )]
     pub bearer_token_file: Option<std::path::PathBuf>,
 
     /// PEM CA certificate to trust for an https:// control plane (default: the system's roots).

@@ -5,6 +5,10 @@
 //! creates, or on a later run updates, the endpoint config and endpoint `default` (variant `v1`
 //! over the engines); prints the URLs and a curl line; and runs until SIGINT or SIGTERM.
 //!
+//! The control plane requires a token: `up` makes one (256 random bits) in `--data-dir`/admin-token
+//! (mode 0600) on its first run, keeps it for later runs, gives it to its data plane, and prints
+//! its path for `prefixctl --bearer-token-file`.
+//!
 //! Shutdown runs front to back so nothing in flight is cut: the data plane drains first, then the
 //! engines stop, then the control plane ends its watch streams and flushes sled. Each server
 //! also prints `NAME listening on ADDR` on stderr, like the standalone binaries.
@@ -47,6 +51,8 @@ pub struct FleetDoc {
     pub data_plane_url: String,
     pub engine_urls: Vec<String>,
     pub data_dir: String,
+    /// The control plane's admin token (`prefixctl --bearer-token-file`).
+    pub token_file: String,
     pub endpoint_name: String,
     pub endpoint_config_name: String,
     pub endpoint_config_revision: u64,
@@ -70,9 +76,12 @@ impl Report for FleetDoc {
             ),
         };
         let ctl = if self.control_plane_url == DEFAULT_CONTROL_PLANE {
-            "prefixctl".to_string()
+            format!("prefixctl --bearer-token-file {}", self.token_file)
         } else {
-            format!("prefixctl --control-plane {}", self.control_plane_url)
+            format!(
+                "prefixctl --control-plane {} --bearer-token-file {}",
+                self.control_plane_url, self.token_file
+            )
         };
         let mut out = format!(
             "prefix-router is up{} (Ctrl-C stops it)\n",
@@ -86,6 +95,10 @@ impl Report for FleetDoc {
             (
                 "control plane:",
                 format!("{}  (data in {})", self.control_plane_url, self.data_dir),
+            ),
+            (
+                "admin token:",
+                format!("{} (keep it secret)", self.token_file),
             ),
             ("data plane:", self.data_plane_url.clone()),
             ("engines:", engines),
@@ -178,8 +191,13 @@ async fn start(
         let dir = data_dir.clone();
         tokio::task::spawn_blocking(move || control_plane::open_store(&dir)).await??
     };
+    let token_file = admin_token(&args.data_dir)?;
+    let options = control_plane::ServeOptions {
+        auth: Some(control_plane::auth::open_token_file(&token_file)?),
+        ..control_plane::ServeOptions::default()
+    };
     fleet.control_plane = Some(fleet.spawn("control-plane", move |stop| {
-        control_plane::serve_store(cp_listener, store, Duration::from_secs(1), stop)
+        control_plane::serve_with(cp_listener, store, options, stop)
     }));
     eprintln!("control-plane listening on {cp_addr}");
     let cp_url = format!("http://{cp_addr}");
@@ -222,7 +240,14 @@ async fn start(
     }
 
     // The endpoint config and endpoint `default`.
-    let client = Client::connect(cp_url.clone()).await?;
+    let client = Client::connect_with(
+        cp_url.clone(),
+        proto::client::ClientOptions {
+            bearer_token: Some(credentials::read_first(&token_file)?),
+            ..Default::default()
+        },
+    )
+    .await?;
     let revision = apply_endpoint(&client, strategy, &engine_urls).await?;
 
     // Data plane.
@@ -233,6 +258,7 @@ async fn start(
         control_plane: cp_url.clone(),
         node_id: Some(NODE_ID.into()),
         default_endpoint: Some(ENDPOINT.into()),
+        auth_token_file: Some(token_file.clone()),
         shutdown_grace_ms: DRAIN_GRACE.as_millis() as u64,
         ..data_plane::Config::default()
     };
@@ -250,6 +276,7 @@ async fn start(
         data_plane_url: format!("http://{dp_addr}"),
         engine_urls,
         data_dir: display_dir(&args.data_dir),
+        token_file: display_dir(&token_file),
         endpoint_name: ENDPOINT.into(),
         endpoint_config_name: ENDPOINT.into(),
         endpoint_config_revision: revision,
@@ -265,6 +292,30 @@ fn display_dir(dir: &Path) -> String {
 
 /// Creates the endpoint config and endpoint, or brings those of an earlier run up to date.
 /// Returns the config's revision.
+/// The control plane's admin token file in `data_dir`: kept if it holds a token, else made
+/// (256 random bits, hex; readable by its owner only).
+fn admin_token(data_dir: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let path = data_dir.join("admin-token");
+    if credentials::read_first(&path).is_ok() {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("cannot use data dir {}", data_dir.display()))?;
+    let token: String = (0..32)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect();
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut file = options
+        .open(&path)
+        .with_context(|| format!("cannot write the admin token to {}", path.display()))?;
+    std::io::Write::write_all(&mut file, format!("{token} admin\n").as_bytes())
+        .with_context(|| format!("cannot write the admin token to {}", path.display()))?;
+    Ok(path)
+}
+
 async fn apply_endpoint(
     client: &Client,
     strategy: RoutingStrategy,

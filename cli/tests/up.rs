@@ -164,18 +164,32 @@ fn header<'a>(headers: &'a str, name: &str) -> Option<&'a str> {
     })
 }
 
-fn prefixctl(control_plane: &str, args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_prefixctl"))
-        .args(args)
+fn prefixctl(control_plane: &str, token: &std::path::Path, args: &[&str]) -> Value {
+    let (ok, out) = prefixctl_with(control_plane, args, Some(token.to_path_buf()));
+    assert!(ok, "prefixctl {args:?}: {out}");
+    serde_json::from_str(&out).unwrap()
+}
+
+/// Runs prefixctl with `--bearer-token-file` when given: success, and stdout (stderr on failure).
+fn prefixctl_with(
+    control_plane: &str,
+    args: &[&str],
+    token_file: Option<std::path::PathBuf>,
+) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_prefixctl"));
+    cmd.args(args)
         .args(["--output", "json", "--control-plane", control_plane])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "prefixctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+        .env_remove("PREFIX_ROUTER_TOKEN");
+    if let Some(t) = token_file {
+        cmd.arg("--bearer-token-file").arg(t);
+    }
+    let out = cmd.output().unwrap();
+    let text = if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).to_string()
+    } else {
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    (out.status.success(), text)
 }
 
 #[test]
@@ -183,7 +197,22 @@ fn up_serves_swaps_strategy_live_and_stops_on_sigint() {
     let dir = tempfile::tempdir().unwrap();
     let mut up = Up::start(dir.path(), &[]);
     let control_plane = up.url_after("control plane:");
+    // The control plane wants the token `up` made (owner-only) and printed the path of.
+    let token = std::path::PathBuf::from(up.url_after("admin token:"));
+    assert_eq!(token, dir.path().join("admin-token"));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&token).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o077,
+            0,
+            "the token file is readable by its owner only"
+        );
+    }
     let data_plane = up.url_after("data plane:");
+    let (ok, err) = prefixctl_with(&control_plane, &["endpoint-config", "list"], None);
+    assert!(!ok && err.contains("Unauthenticated"), "{err}");
     assert!(
         up.stderr().contains("data-plane listening on "),
         "{}",
@@ -203,6 +232,7 @@ fn up_serves_swaps_strategy_live_and_stops_on_sigint() {
     // A second terminal swaps the strategy; the data plane applies it without a restart.
     let u = prefixctl(
         &control_plane,
+        &token,
         &[
             "endpoint-config",
             "update",
@@ -219,6 +249,7 @@ fn up_serves_swaps_strategy_live_and_stops_on_sigint() {
     loop {
         let d = prefixctl(
             &control_plane,
+            &token,
             &["endpoint", "describe", "--endpoint-name", "default"],
         );
         let node = d["DataPlanes"]

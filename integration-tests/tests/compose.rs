@@ -371,3 +371,71 @@ fn prometheus_scrapes_every_server_and_grafana_loads_the_dashboard() {
         "grafana mounts the dashboard into {folder}: {mounts:?}"
     );
 }
+
+#[test]
+fn the_exposed_control_plane_needs_a_token_and_every_token_is_a_secret() {
+    let doc = compose();
+    let services = doc["services"].as_mapping().expect("services");
+    let declared = doc
+        .get("secrets")
+        .and_then(Value::as_mapping)
+        .expect("top-level secrets");
+    let mut uses = 0;
+    for (name, service) in services {
+        let name = name.as_str().unwrap();
+        let command = service.get("command").map(strings).unwrap_or_default();
+        let entrypoint = service.get("entrypoint").map(strings).unwrap_or_default();
+        let mounted = service.get("secrets").map(strings).unwrap_or_default();
+        if entrypoint.first().map(String::as_str) == Some("control-plane") {
+            assert!(
+                flag_value(&command, "--auth-token-file").is_some(),
+                "{name}: the control plane listens on {:?} without --auth-token-file",
+                flag_value(&command, "--listen")
+            );
+            assert!(
+                !command.iter().any(|a| a == "--insecure"),
+                "{name}: --insecure"
+            );
+        }
+        if entrypoint.first().map(String::as_str) == Some("data-plane") {
+            assert!(
+                flag_value(&command, "--auth-token-file").is_some(),
+                "{name}: a data plane without a token for its watch"
+            );
+        }
+        let env = environment(service);
+        let paths = flag_value(&command, "--auth-token-file")
+            .map(str::to_string)
+            .into_iter()
+            .chain(env.get("PREFIX_ROUTER_TOKEN_FILE").cloned());
+        for path in paths {
+            let secret = path
+                .strip_prefix("/run/secrets/")
+                .unwrap_or_else(|| panic!("{name}: token {path} is not a docker secret"));
+            assert!(
+                mounted.iter().any(|m| m == secret),
+                "{name}: secret {secret} is not mounted"
+            );
+            let file = declared
+                .get(secret)
+                .and_then(|s| s.get("file"))
+                .and_then(Value::as_str)
+                .unwrap_or_else(|| panic!("secret {secret} has no file"));
+            assert!(
+                file.starts_with("./deploy/compose/"),
+                "secret {secret} comes from {file}"
+            );
+            uses += 1;
+        }
+    }
+    assert!(
+        uses >= 4,
+        "control plane, two data planes and setup use the token ({uses})"
+    );
+    // The token file itself is never committed.
+    let ignore = std::fs::read_to_string(repo_file("deploy/compose/.gitignore")).unwrap();
+    assert!(
+        ignore.lines().any(|l| l.trim() == "admin-token"),
+        "{ignore}"
+    );
+}
