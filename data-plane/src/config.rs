@@ -124,6 +124,10 @@ pub struct Config {
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
+    /// PEM CA certificates to trust for `https://` instances (default: the system's roots).
+    #[arg(long, value_name = "PEM")]
+    pub upstream_ca_cert: Option<PathBuf>,
+
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,

@@ -77,6 +77,7 @@ struct Prepared {
     access: access::Access,
     tls: Option<tokio_rustls::TlsAcceptor>,
     control_plane_tls: proto::client::TlsOptions,
+    upstream_tls: tokio_rustls::TlsConnector,
 }
 
 fn prepare(config: &Config) -> anyhow::Result<Prepared> {
@@ -95,10 +96,12 @@ fn prepare(config: &Config) -> anyhow::Result<Prepared> {
     if let Some(path) = &config.auth_token_file {
         credentials::read_first(path).map_err(|e| anyhow::anyhow!("--auth-token-file: {e}"))?;
     }
+    let upstream_tls = upstream::tls_connector(config.upstream_ca_cert.as_deref())?;
     Ok(Prepared {
         access,
         tls,
         control_plane_tls,
+        upstream_tls,
     })
 }
 
@@ -129,8 +132,9 @@ pub async fn serve(
         access,
         tls,
         control_plane_tls,
+        upstream_tls,
     } = prepare(&config)?;
-    let router = Arc::new(proxy::Router::new(&config, access));
+    let router = Arc::new(proxy::Router::new(&config, access, upstream_tls));
     let _key_reload = router
         .access
         .api_keys()

@@ -52,13 +52,19 @@ pub(crate) struct Router {
     pub(crate) placement: Placement,
     pub(crate) metrics: Metrics,
     pub(crate) access: Access,
+    /// TLS towards `https://` instances.
+    upstream_tls: tokio_rustls::TlsConnector,
     max_body_bytes: usize,
     request_timeout: Duration,
     body_read_timeout: Duration,
 }
 
 impl Router {
-    pub(crate) fn new(config: &Config, access: Access) -> Self {
+    pub(crate) fn new(
+        config: &Config,
+        access: Access,
+        upstream_tls: tokio_rustls::TlsConnector,
+    ) -> Self {
         Router {
             table: ArcSwapOption::empty(),
             placement: Placement::new(
@@ -69,6 +75,7 @@ impl Router {
             .with_hot_key_spread(config.hot_key_spread),
             metrics: Metrics::with_workers(config.resolved_workers()),
             access,
+            upstream_tls,
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),
             body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
@@ -403,6 +410,7 @@ impl Router {
             let exchange = upstream::send(
                 instance.state().pool(),
                 instance.authority(),
+                instance.tls().then_some(&self.upstream_tls),
                 now_ms(),
                 make,
             );
@@ -495,9 +503,19 @@ impl Router {
             .stats()
             .record(route.decision, parts.status.as_u16());
         set_route_headers(&mut parts.headers, table, route);
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let stream = UpstreamStream {
+            in_flight,
+            ejections: Arc::clone(&self.metrics.ejections),
+            sse,
+            at_event_boundary: true,
+        };
         Response::from_parts(
             parts,
-            ResponseBody::upstream(body, conn, in_flight, deadline, trace),
+            ResponseBody::upstream(body, conn, stream, deadline, trace),
         )
     }
 
@@ -786,6 +804,49 @@ pub(crate) fn error_response(status: u16, message: &str, kind: &str) -> Response
     json_response(status, serde_json::to_vec(&body).unwrap_or_default())
 }
 
+/// An upstream response body being streamed: what its failure needs to know.
+struct UpstreamStream {
+    in_flight: InFlight,
+    /// The router's ejection counter: a body that fails counts against its instance's health.
+    ejections: Arc<std::sync::atomic::AtomicU64>,
+    /// `text/event-stream`: a failure ends the stream with an SSE error event (as OpenAI's API
+    /// does), so a client never takes a cut stream for a whole one.
+    sse: bool,
+    /// The bytes sent so far end between events (`\n\n`), or none were sent.
+    at_event_boundary: bool,
+}
+
+impl UpstreamStream {
+    /// The stream failed after the head: a failure of the instance (unless it is the request's
+    /// own deadline), and for SSE an error event that ends the body; otherwise an error, which
+    /// aborts the client's connection.
+    fn fail(self, error: BodyError) -> Result<Frame<Bytes>, BodyError> {
+        let kind = match &error {
+            BodyError::Timeout => "timeout_error",
+            BodyError::Upstream(_) => {
+                let instance = self.in_flight.instance();
+                if let Some(length) = instance.record_failure(now_ms()) {
+                    self.ejections.fetch_add(1, Relaxed);
+                    tracing::warn!(?length, "instance ejected after repeated failures");
+                }
+                "upstream_error"
+            }
+        };
+        if !self.sse {
+            return Err(error);
+        }
+        let mut event = Vec::with_capacity(128);
+        if !self.at_event_boundary {
+            event.extend_from_slice(b"\n\n"); // end the event the instance left unfinished
+        }
+        let body = serde_json::json!({ "error": { "message": error.to_string(), "type": kind } });
+        event.extend_from_slice(b"data: ");
+        event.extend_from_slice(&serde_json::to_vec(&body).unwrap_or_default());
+        event.extend_from_slice(b"\n\n");
+        Ok(Frame::data(Bytes::from(event)))
+    }
+}
+
 /// Why a streamed response body stopped early.
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {
@@ -810,7 +871,8 @@ enum Inner {
         /// The connection the body comes over: polled here, given back to the instance's pool
         /// when the body has ended (dropped, which closes it, otherwise).
         conn: Option<Box<Conn>>,
-        in_flight: Option<InFlight>,
+        /// `None` once the body has ended.
+        stream: Option<UpstreamStream>,
         deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
     },
@@ -827,7 +889,7 @@ impl ResponseBody {
     fn upstream(
         body: Incoming,
         conn: Box<Conn>,
-        in_flight: InFlight,
+        stream: UpstreamStream,
         deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
     ) -> Self {
@@ -835,7 +897,7 @@ impl ResponseBody {
             kind: Inner::Upstream {
                 body,
                 conn: Some(conn),
-                in_flight: Some(in_flight),
+                stream: Some(stream),
                 deadline,
                 trace,
             },
@@ -857,47 +919,52 @@ impl Body for ResponseBody {
             Inner::Upstream {
                 body,
                 conn,
-                in_flight,
+                stream,
                 deadline,
                 trace,
             } => {
-                if in_flight.is_none() {
+                let Some(s) = stream.as_mut() else {
                     return Poll::Ready(None);
-                }
+                };
                 // The connection reads the body (into `body`'s channel).
                 if let Some(c) = conn.as_mut() {
                     c.poll_drive(cx);
                 }
                 if deadline.is_elapsed() {
-                    in_flight.take();
                     end_trace(trace, Some("timeout while streaming the response"));
-                    return Poll::Ready(Some(Err(BodyError::Timeout)));
+                    let s = stream.take().expect("checked above");
+                    return Poll::Ready(Some(s.fail(BodyError::Timeout)));
                 }
                 match Pin::new(body).poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
-                        if let (Some(t), Some(data)) = (trace.as_mut(), frame.data_ref()) {
-                            t.on_data(data.len());
+                        if let Some(data) = frame.data_ref() {
+                            if !data.is_empty() {
+                                s.at_event_boundary = data.ends_with(b"\n\n");
+                            }
+                            if let Some(t) = trace.as_mut() {
+                                t.on_data(data.len());
+                            }
                         }
                         Poll::Ready(Some(Ok(frame)))
                     }
                     Poll::Ready(Some(Err(e))) => {
-                        in_flight.take();
                         if trace.is_some() {
                             end_trace(trace, Some(&format!("upstream response body failed: {e}")));
                         }
-                        Poll::Ready(Some(Err(e.into())))
+                        let s = stream.take().expect("checked above");
+                        Poll::Ready(Some(s.fail(e.into())))
                     }
                     Poll::Ready(None) => {
-                        release(conn, in_flight);
-                        in_flight.take();
+                        release(conn, stream);
+                        stream.take();
                         end_trace(trace, None);
                         Poll::Ready(None)
                     }
                     Poll::Pending => {
                         if deadline.as_mut().poll(cx).is_ready() {
-                            in_flight.take();
                             end_trace(trace, Some("timeout while streaming the response"));
-                            return Poll::Ready(Some(Err(BodyError::Timeout)));
+                            let s = stream.take().expect("checked above");
+                            return Poll::Ready(Some(s.fail(BodyError::Timeout)));
                         }
                         Poll::Pending
                     }
@@ -909,9 +976,7 @@ impl Body for ResponseBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Inner::Full(b) => b.is_none(),
-            Inner::Upstream {
-                body, in_flight, ..
-            } => in_flight.is_none() || body.is_end_stream(),
+            Inner::Upstream { body, stream, .. } => stream.is_none() || body.is_end_stream(),
         }
     }
 
@@ -929,23 +994,20 @@ impl Drop for ResponseBody {
     /// does not poll it) still gives its connection back.
     fn drop(&mut self) {
         if let Inner::Upstream {
-            body,
-            conn,
-            in_flight,
-            ..
+            body, conn, stream, ..
         } = &mut self.kind
         {
             if conn.is_some() && body.is_end_stream() {
-                release(conn, in_flight);
+                release(conn, stream);
             }
         }
     }
 }
 
 /// Gives an upstream connection whose response body has ended back to its instance's pool.
-fn release(conn: &mut Option<Box<Conn>>, in_flight: &Option<InFlight>) {
-    if let (Some(c), Some(f)) = (conn.take(), in_flight) {
-        f.instance().pool().put(c, now_ms());
+fn release(conn: &mut Option<Box<Conn>>, stream: &Option<UpstreamStream>) {
+    if let (Some(c), Some(s)) = (conn.take(), stream) {
+        s.in_flight.instance().pool().put(c, now_ms());
     }
 }
 

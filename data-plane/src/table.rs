@@ -123,6 +123,8 @@ pub struct Instance {
     host: HeaderValue,
     /// Path prefix of the address ("" for `http://host:port`).
     base_path: Arc<str>,
+    /// An `https://` instance.
+    tls: bool,
     header: HeaderValue,
     state: Arc<InstanceState>,
     stats: Arc<RouteStats>,
@@ -153,6 +155,10 @@ impl Instance {
     /// Host and port to connect to.
     pub fn authority(&self) -> &Authority {
         &self.authority
+    }
+    /// Whether the instance is reached over TLS (`https://`).
+    pub fn tls(&self) -> bool {
+        self.tls
     }
     /// Value of the `Host` header sent to the instance.
     pub fn host(&self) -> &HeaderValue {
@@ -386,6 +392,7 @@ impl RoutingTable {
                             authority: p.authority.clone(),
                             host: p.host.clone(),
                             base_path: p.base_path.clone(),
+                            tls: p.tls,
                             header: p.header.clone(),
                             state,
                             stats: p.stats.clone(),
@@ -401,7 +408,7 @@ impl RoutingTable {
                                     reason,
                                 }
                             };
-                            let (authority, base_path) =
+                            let (authority, base_path, tls) =
                                 parse_address(&inst.address).map_err(bad_url)?;
                             Instance {
                                 id: id.into(),
@@ -413,6 +420,7 @@ impl RoutingTable {
                                     .map_err(|e| bad_url(e.to_string()))?,
                                 authority,
                                 base_path,
+                                tls,
                                 state,
                                 stats: prev.map(|p| p.stats.clone()).unwrap_or_default(),
                             }
@@ -545,18 +553,22 @@ fn setting(
     }
 }
 
-/// `http://host:port[/base]` -> authority and base path. Only plain HTTP: the router has no TLS
-/// client.
-fn parse_address(address: &str) -> Result<(Authority, Arc<str>), String> {
+/// `http(s)://host:port[/base]` -> authority, base path and whether it is `https`.
+fn parse_address(address: &str) -> Result<(Authority, Arc<str>, bool), String> {
     let uri: http::Uri = address
         .parse()
         .map_err(|e: http::uri::InvalidUri| e.to_string())?;
     let parts = uri.into_parts();
-    match parts.scheme {
-        Some(ref s) if *s == Scheme::HTTP => {}
-        Some(s) => return Err(format!("scheme {s:?} is not supported (expected http)")),
+    let tls = match parts.scheme {
+        Some(ref s) if *s == Scheme::HTTP => false,
+        Some(ref s) if *s == Scheme::HTTPS => true,
+        Some(s) => {
+            return Err(format!(
+                "scheme {s:?} is not supported (expected http or https)"
+            ))
+        }
         None => return Err("missing scheme (expected http://host:port)".into()),
-    }
+    };
     let authority = parts.authority.ok_or("missing host")?;
     if authority.host().is_empty() {
         return Err("missing host".into());
@@ -569,7 +581,7 @@ fn parse_address(address: &str) -> Result<(Authority, Arc<str>), String> {
         Some(pq) => pq.path().trim_end_matches('/'),
         None => "",
     };
-    Ok((authority, base.into()))
+    Ok((authority, base.into(), tls))
 }
 
 #[cfg(test)]
@@ -742,8 +754,8 @@ pub(crate) mod tests {
                 "bad instance URL \"not a url\"",
             ),
             (
-                Box::new(|t| t.endpoints[0].variants[0].instances[0].address = "https://x:1".into()),
-                "scheme \"https\" is not supported",
+                Box::new(|t| t.endpoints[0].variants[0].instances[0].address = "ws://x:1".into()),
+                "scheme \"ws\" is not supported",
             ),
             (
                 Box::new(|t| {

@@ -51,6 +51,11 @@ pub(crate) enum UpstreamError {
         authority: Authority,
         source: std::io::Error,
     },
+    #[error("TLS with {authority} failed: {source}")]
+    Tls {
+        authority: Authority,
+        source: std::io::Error,
+    },
     #[error("connect to {authority} timed out after {}s", CONNECT_TIMEOUT.as_secs())]
     ConnectTimeout { authority: Authority },
     #[error(transparent)]
@@ -64,7 +69,7 @@ pub(crate) struct Conn {
     worker: usize,
     send: SendRequest<UpstreamBody>,
     /// `None` once the connection has ended (the server closed it, or it failed).
-    conn: Option<Connection<TokioIo<TcpStream>, UpstreamBody>>,
+    conn: Option<Connection<TokioIo<UpstreamIo>, UpstreamBody>>,
     idle_since_ms: u64,
 }
 
@@ -191,9 +196,105 @@ impl Pool {
     }
 }
 
-/// A new connection (boxed: it moves between the pool and response bodies, and is large).
-async fn connect(authority: &Authority) -> Result<Box<Conn>, UpstreamError> {
-    let port = authority.port_u16().unwrap_or(80);
+/// The byte stream under a connection: plain TCP, or TLS over it for `https://` instances.
+pub(crate) enum UpstreamIo {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl tokio::io::AsyncRead for UpstreamIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for UpstreamIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(s) => Pin::new(s).poll_flush(cx),
+            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            UpstreamIo::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// TLS towards `https://` instances: the CAs of `--upstream-ca-cert`, else the system's roots.
+pub(crate) fn tls_connector(
+    ca: Option<&std::path::Path>,
+) -> anyhow::Result<tokio_rustls::TlsConnector> {
+    use anyhow::Context as _;
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(path) => {
+            let certs = CertificateDer::pem_file_iter(path)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                .with_context(|| {
+                    format!(
+                        "--upstream-ca-cert {}: cannot read PEM certificates",
+                        path.display()
+                    )
+                })?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                anyhow::bail!(
+                    "--upstream-ca-cert {}: no usable CA certificate",
+                    path.display()
+                );
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            roots.add_parsable_certificates(found.certs);
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("TLS protocol versions")?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(std::sync::Arc::new(
+        config,
+    )))
+}
+
+/// A new connection (boxed: it moves between the pool and response bodies, and is large), over
+/// TLS when `tls` is given (an `https://` instance).
+async fn connect(
+    authority: &Authority,
+    tls: Option<&tokio_rustls::TlsConnector>,
+) -> Result<Box<Conn>, UpstreamError> {
+    let port = authority
+        .port_u16()
+        .unwrap_or(if tls.is_some() { 443 } else { 80 });
     let connecting = TcpStream::connect((authority.host(), port));
     let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
         Ok(Ok(s)) => s,
@@ -210,9 +311,32 @@ async fn connect(authority: &Authority) -> Result<Box<Conn>, UpstreamError> {
         }
     };
     let _ = stream.set_nodelay(true);
-    let (send, conn) = http1::Builder::new()
-        .handshake(TokioIo::new(stream))
-        .await?;
+    let io = match tls {
+        None => UpstreamIo::Plain(stream),
+        Some(connector) => {
+            let tls_error = |source: std::io::Error| UpstreamError::Tls {
+                authority: authority.clone(),
+                source,
+            };
+            let host = authority
+                .host()
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let name = tokio_rustls::rustls::pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| tls_error(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+            let handshake = connector.connect(name, stream);
+            match tokio::time::timeout(CONNECT_TIMEOUT, handshake).await {
+                Ok(Ok(s)) => UpstreamIo::Tls(Box::new(s)),
+                Ok(Err(e)) => return Err(tls_error(e)),
+                Err(_) => {
+                    return Err(UpstreamError::ConnectTimeout {
+                        authority: authority.clone(),
+                    })
+                }
+            }
+        }
+    };
+    let (send, conn) = http1::Builder::new().handshake(TokioIo::new(io)).await?;
     Ok(Box::new(Conn {
         authority: authority.clone(),
         worker: worker(),
@@ -228,6 +352,7 @@ async fn connect(authority: &Authority) -> Result<Box<Conn>, UpstreamError> {
 pub(crate) async fn send(
     pool: &Pool,
     authority: &Authority,
+    tls: Option<&tokio_rustls::TlsConnector>,
     now_ms: u64,
     make: impl Fn() -> Request<UpstreamBody>,
 ) -> Result<(Response<Incoming>, Box<Conn>), UpstreamError> {
@@ -242,7 +367,7 @@ pub(crate) async fn send(
         };
         let (mut conn, reused) = match pooled {
             Some(c) => (c, true),
-            None => (connect(authority).await?, false),
+            None => (connect(authority, tls).await?, false),
         };
         // (A new connection closed at once is sent on anyway, to get hyper's error for it.)
         if !conn.ready().await && reused {
@@ -301,8 +426,8 @@ mod tests {
         let (b, _tb) = listener().await;
         let pool = Pool::default();
         let t = 1_000;
-        pool.put(connect(&a).await.unwrap(), t);
-        pool.put(connect(&b).await.unwrap(), t);
+        pool.put(connect(&a, None).await.unwrap(), t);
+        pool.put(connect(&b, None).await.unwrap(), t);
         assert_eq!(pool.idle(), 2);
         // the connection to `a`, not the more recent one to `b`
         let c = pool.take(&a, t + 1).unwrap();
@@ -326,7 +451,7 @@ mod tests {
             ..Pool::default()
         };
         for _ in 0..7 {
-            pool.put(connect(&a).await.unwrap(), 1);
+            pool.put(connect(&a, None).await.unwrap(), 1);
         }
         assert_eq!(pool.idle(), 4);
     }
@@ -336,7 +461,7 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let authority: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
         drop(l);
-        let e = connect(&authority).await.err().unwrap();
+        let e = connect(&authority, None).await.err().unwrap();
         assert!(
             e.to_string()
                 .starts_with(&format!("connect to {authority} failed")),

@@ -363,7 +363,11 @@ mod tests {
             bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
         ) {
             let config = crate::Config::default();
-            let router = Router::new(&config, crate::access::Access::load(&config).unwrap());
+            let router = Router::new(
+                &config,
+                crate::access::Access::load(&config).unwrap(),
+                crate::upstream::tls_connector(None).unwrap(),
+            );
             let response = WatchRoutingTableResponse {
                 version,
                 nonce: "n1".into(),

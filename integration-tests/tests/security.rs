@@ -1023,3 +1023,109 @@ fn an_exposed_control_plane_without_credentials_refuses_to_start() {
     );
     assert!(!err.contains("listening"), "{err}");
 }
+
+/// An HTTPS "instance" on loopback: TLS with `cert`/`key`, answering every request with a small
+/// chat completion that echoes whether an `authorization` header came.
+async fn https_instance(pki: &Pki) -> std::net::SocketAddr {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<_> = CertificateDer::pem_file_iter(&pki.server_cert)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(&pki.server_key).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(|_req| async {
+                    let body = r#"{"object":"chat.completion","choices":[]}"#;
+                    Ok::<_, std::convert::Infallible>(
+                        http::Response::builder()
+                            .header("content-type", "application/json")
+                            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                                body.as_bytes(),
+                            )))
+                            .unwrap(),
+                    )
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn https_instances_are_reached_with_the_upstream_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = make_pki(dir.path());
+    let instance = https_instance(&pki).await;
+    let instance_url = format!("https://localhost:{}", instance.port());
+    let data = dir.path().join("data");
+    let cp = ChildServer::start("control-plane", &["--data-dir", s(&data)]).unwrap();
+    let c = client(&cp.url(), None).await;
+    c.create_endpoint_config(
+        "cfg",
+        vec![variant("v1", RoutingStrategy::Random, &[&instance_url])],
+    )
+    .await
+    .unwrap();
+    c.create_endpoint("ep", "cfg").await.unwrap();
+    let http = Http::new();
+    let router = |extra: &[&str]| {
+        let base = ["--control-plane", &cp.url(), "--default-endpoint", "ep"];
+        ChildServer::start("data-plane", &[&base[..], extra].concat()).unwrap()
+    };
+    let trusted = router(&["--upstream-ca-cert", s(&pki.ca)]);
+    wait_for("a table", Duration::from_secs(10), || {
+        http.table_version(&trusted)
+    })
+    .await;
+    let (status, headers, body) = http
+        .send(
+            &trusted,
+            http::Method::POST,
+            "/v1/chat/completions",
+            None,
+            chat_body(),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(headers["x-prefix-router-instance"], instance_url.as_str());
+    assert!(body.contains("chat.completion"), "{body}");
+
+    // With the system's roots the test CA is unknown: a 502 that says TLS failed.
+    let untrusting = router(&[]);
+    wait_for("a table", Duration::from_secs(10), || {
+        http.table_version(&untrusting)
+    })
+    .await;
+    let (status, _, body) = http
+        .send(
+            &untrusting,
+            http::Method::POST,
+            "/v1/chat/completions",
+            None,
+            chat_body(),
+        )
+        .await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("TLS"), "{body}");
+}

@@ -220,7 +220,7 @@ pub fn plaintext_hint(url: &str) -> &'static str {
     if url.starts_with("http://") {
         " (if the control plane serves TLS, use an https:// URL)"
     } else {
-        ""
+        " (a control plane with --tls-client-ca also needs this client's --tls-cert and --tls-key)"
     }
 }
 
@@ -710,16 +710,20 @@ impl Client {
 /// every status the server sent stays an [`Error::Api`] with its message as is.
 fn status_to_error(url: &str, status: Status) -> Error {
     use std::error::Error as _;
-    if status.code() == Code::Unavailable {
-        if let Some(source) = status.source() {
-            return Error::Unreachable {
-                url: url.into(),
-                cause: format!("{}{}", error_chain(source), plaintext_hint(url)),
-            };
-        }
+    // A status with a source was made on this side from a broken connection (refused, reset,
+    // a TLS handshake refused, a plaintext client on a TLS port), whatever its code: the cause
+    // is in the source chain. Statuses the server sent have none.
+    let transport = matches!(
+        status.code(),
+        Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled
+    );
+    if let Some(source) = status.source().filter(|_| transport) {
+        return Error::Unreachable {
+            url: url.into(),
+            cause: format!("{}{}", error_chain(source), plaintext_hint(url)),
+        };
     }
-    // A TLS server drops a plaintext HTTP/2 connection: the call ends as cancelled.
-    let hint = if status.code() == Code::Cancelled {
+    let hint = if matches!(status.code(), Code::Cancelled | Code::Unknown | Code::Internal) {
         plaintext_hint(url)
     } else {
         ""
