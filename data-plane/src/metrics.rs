@@ -5,6 +5,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::placement::Decision;
@@ -126,7 +127,7 @@ pub struct Metrics {
     pub tables_rejected: AtomicU64,
     pub control_plane_connected: AtomicU64,
     pub retries: AtomicU64,
-    pub ejections: AtomicU64,
+    pub ejections: Arc<AtomicU64>,
     /// Open client connections per worker thread (`serve` hands a new one to the lowest).
     pub worker_connections: Box<[AtomicU64]>,
 }
@@ -164,6 +165,8 @@ impl Metrics {
             }
         }
         let mut in_flight = String::new();
+        let mut ejected = String::new();
+        let now = crate::load::now_ms();
         if let Some(table) = table {
             for endpoint in table.endpoints() {
                 for variant in endpoint.variants() {
@@ -195,6 +198,11 @@ impl Metrics {
                             "prefix_router_instance_in_flight{{{labels}}} {}",
                             instance.state().outstanding()
                         );
+                        let _ = writeln!(
+                            ejected,
+                            "prefix_router_instance_ejected{{{labels}}} {}",
+                            u8::from(instance.state().is_ejected(now))
+                        );
                     }
                 }
             }
@@ -204,6 +212,11 @@ impl Metrics {
              # TYPE prefix_router_instance_in_flight gauge\n",
         );
         out.push_str(&in_flight);
+        out.push_str(
+            "# HELP prefix_router_instance_ejected 1 while passive health keeps the instance out of placement.\n\
+             # TYPE prefix_router_instance_ejected gauge\n",
+        );
+        out.push_str(&ejected);
         self.decision.render(
             "prefix_router_route_decision_seconds",
             "Routing decision latency: body parse, prefix hash and instance choice.",
