@@ -3,6 +3,8 @@
 //! rcgen), data-plane API keys and what reaches the instance, `--max-in-flight`, request-head
 //! limits and slow clients, control-plane limits, and no secret in any process's logs.
 
+mod common;
+
 use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -620,24 +622,36 @@ impl Http {
     }
 }
 
-/// A control plane, an engine-sim requiring `UPSTREAM_KEY`, and the endpoint `ep` over it.
+/// A control plane, an engine-sim requiring `UPSTREAM_KEY`, and the endpoint `ep` over it. Every
+/// process logs at debug level (so a secret in any event would show) and, with `otlp`, exports
+/// its spans there.
 struct KeyedFleet {
     cp: ChildServer,
     engine: ChildServer,
     dir: tempfile::TempDir,
+    env: Vec<(&'static str, String)>,
 }
 
 impl KeyedFleet {
     async fn start(engine_args: &[&str]) -> Self {
+        Self::start_exporting(engine_args, None).await
+    }
+
+    async fn start_exporting(engine_args: &[&str], otlp: Option<&str>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
-        let cp =
-            ChildServer::start_with_env("control-plane", &["--data-dir", s(&data)], &DEBUG_LOGS)
-                .unwrap();
+        let mut env = vec![("RUST_LOG", "debug".to_string())];
+        if let Some(url) = otlp {
+            env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", url.to_string()));
+            env.push(("OTEL_BSP_SCHEDULE_DELAY", "100".to_string()));
+        }
+        let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let cp = ChildServer::start_with_env("control-plane", &["--data-dir", s(&data)], &pairs)
+            .unwrap();
         let engine = ChildServer::start_with_env(
             "engine-sim",
             &[&["--api-key", UPSTREAM_KEY][..], engine_args].concat(),
-            &DEBUG_LOGS,
+            &pairs,
         )
         .unwrap();
         let c = client(&cp.url(), None).await;
@@ -649,7 +663,12 @@ impl KeyedFleet {
         .await
         .unwrap();
         c.create_endpoint("ep", "cfg").await.unwrap();
-        KeyedFleet { cp, engine, dir }
+        KeyedFleet {
+            cp,
+            engine,
+            dir,
+            env,
+        }
     }
 
     async fn router(&self, args: &[&str]) -> ChildServer {
@@ -659,9 +678,9 @@ impl KeyedFleet {
             "--default-endpoint",
             "ep",
         ];
+        let pairs: Vec<(&str, &str)> = self.env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let dp =
-            ChildServer::start_with_env("data-plane", &[&base[..], args].concat(), &DEBUG_LOGS)
-                .unwrap();
+            ChildServer::start_with_env("data-plane", &[&base[..], args].concat(), &pairs).unwrap();
         let http = Http::new();
         wait_for("a routing table", Duration::from_secs(10), || {
             http.table_version(&dp)
@@ -673,7 +692,8 @@ impl KeyedFleet {
 
 #[tokio::test]
 async fn api_keys_guard_the_router_and_only_the_upstream_key_reaches_the_engine() {
-    let fleet = KeyedFleet::start(&["--time-scale", "0.01"]).await;
+    let (otlp, mut exported) = common::otlp::start_collector().await;
+    let fleet = KeyedFleet::start_exporting(&["--time-scale", "0.01"], Some(&otlp)).await;
     let keys = write(fleet.dir.path(), "keys", &format!("{CLIENT_KEY}\n"));
     let upstream = write(fleet.dir.path(), "upstream", &format!("{UPSTREAM_KEY}\n"));
     let http = Http::new();
@@ -740,6 +760,21 @@ async fn api_keys_guard_the_router_and_only_the_upstream_key_reaches_the_engine(
         "| router | client sends | answer |\n|---|---|---|\n{}",
         table.join("\n")
     );
+
+    // Every process exported its spans (the routers' `route` spans among them): none carries a
+    // key.
+    let mut spans = Vec::new();
+    wait_for("the routers' spans", Duration::from_secs(20), || {
+        while let Ok(s) = exported.try_recv() {
+            spans.push(s);
+        }
+        let routes = spans.iter().filter(|(_, s)| s.name == "route").count();
+        std::future::ready((routes >= 3).then_some(()))
+    })
+    .await;
+    let dump = format!("{spans:?}");
+    no_secrets("the exported spans", &dump);
+    eprintln!("{} spans exported, none with a key", spans.len());
 
     for (what, server) in [
         ("control-plane", &fleet.cp),

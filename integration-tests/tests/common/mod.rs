@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod otlp;
+
 use std::time::Duration;
 
 use bytes::Bytes;
