@@ -6,7 +6,9 @@
 //! phase;
 //! `OTLP=1` also routes with trace export on, every span 100% sampled and exported to an
 //! in-process OTLP collector that decodes and counts them, alternating with export off in the
-//! same run, to show what tracing adds).
+//! same run, to show what tracing adds; `SECURITY=1` also routes through a second router that
+//! checks client API keys (`--api-key-file`) and a third that serves HTTPS (`--tls-cert`, a test
+//! CA made here; the client keeps its connections, so this is TLS record cost, not handshakes).
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
@@ -50,7 +52,12 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const RESPONSE: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":8192,"completion_tokens":1,"total_tokens":8193}}"#;
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type HttpClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// The client API key of the `SECURITY=1` router. Every request carries it (routers without
+/// `--api-key-file` drop it), so the modes differ only in what the router does.
+const API_KEY: &str = "sk-bench-0123456789abcdef";
+const BEARER: &str = "Bearer sk-bench-0123456789abcdef";
 
 /// What a request goes to: the backend itself, or the router (with trace export off or on).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -59,6 +66,8 @@ enum Mode {
     Routed,
     RoutedExportOff,
     RoutedExportOn,
+    RoutedApiKey,
+    RoutedTls,
 }
 
 impl Mode {
@@ -68,6 +77,8 @@ impl Mode {
             Mode::Routed => "routed",
             Mode::RoutedExportOff => "routed/export off",
             Mode::RoutedExportOn => "routed/export on",
+            Mode::RoutedApiKey => "routed/api key",
+            Mode::RoutedTls => "routed/TLS",
         }
     }
 }
@@ -112,6 +123,7 @@ async fn one(client: &HttpClient, uri: &http::Uri, body: &Bytes) -> anyhow::Resu
     let req = http::Request::post(uri.clone())
         .header("content-type", "application/json")
         .header("x-endpoint-name", "bench")
+        .header("authorization", BEARER)
         .body(Full::new(body.clone()))?;
     let resp = client.request(req).await?;
     anyhow::ensure!(resp.status().is_success(), "HTTP {}", resp.status());
@@ -119,12 +131,64 @@ async fn one(client: &HttpClient, uri: &http::Uri, body: &Bytes) -> anyhow::Resu
     Ok(())
 }
 
+/// The CA the `SECURITY=1` router's certificate is signed by (set once at start).
+static TEST_CA: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+
 fn client(max_idle: usize) -> HttpClient {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
+    c.enforce_http(false);
+    let mut roots = rustls::RootCertStore::empty();
+    if let Some(ca) = TEST_CA.get() {
+        for cert in CertificateDer::pem_slice_iter(ca).flatten() {
+            let _ = roots.add(cert);
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(c);
     Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(max_idle)
-        .build(c)
+        .build(https)
+}
+
+/// Starts another in-process router with `extra` flags; returns its base URL.
+async fn extra_router(cp_url: &str, extra: &[&str], scheme: &str) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("{scheme}://localhost:{}", listener.local_addr()?.port());
+    let mut args = vec![
+        "data-plane",
+        "--control-plane",
+        cp_url,
+        "--node-id",
+        "bench-extra",
+    ];
+    args.extend_from_slice(extra);
+    let config = data_plane::Config::try_parse_from(args)?;
+    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
+    Ok(url)
+}
+
+/// A test CA and a `localhost` certificate it signed: (CA PEM, cert PEM, key PEM).
+fn test_pki() -> anyhow::Result<(String, String, String)> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate()?)?;
+    let key = KeyPair::generate()?;
+    let cert = CertificateParams::new(vec!["localhost".to_string()])?.signed_by(&key, &ca)?;
+    Ok((ca.pem(), cert.pem(), key.serialize_pem()))
 }
 
 /// CPU time of this whole process (client, router and backend), in µs.
@@ -241,8 +305,16 @@ async fn main() -> anyhow::Result<()> {
     } else {
         None
     };
+    let security = env("SECURITY", 0u8) == 1;
     let modes: &[Mode] = if telemetry_guard.is_some() {
         &[Mode::Direct, Mode::RoutedExportOff, Mode::RoutedExportOn]
+    } else if security {
+        &[
+            Mode::Direct,
+            Mode::Routed,
+            Mode::RoutedApiKey,
+            Mode::RoutedTls,
+        ]
     } else {
         &[Mode::Direct, Mode::Routed]
     };
@@ -308,12 +380,36 @@ async fn main() -> anyhow::Result<()> {
     let body = Bytes::from(content_first::chat_body_32k_content_first());
     let direct: http::Uri = format!("{backend_url}/v1/chat/completions").parse()?;
     let routed: http::Uri = format!("{dp_url}/v1/chat/completions").parse()?;
+    let (keyed, tls) = if security {
+        let (ca, cert, key) = test_pki()?;
+        let _ = TEST_CA.set(ca.into_bytes());
+        let files = dir.path();
+        std::fs::write(files.join("keys"), format!("{API_KEY}\n"))?;
+        std::fs::write(files.join("cert.pem"), cert)?;
+        std::fs::write(files.join("key.pem"), key)?;
+        let path = |name: &str| files.join(name).to_string_lossy().to_string();
+        let keys = path("keys");
+        let keyed = extra_router(&cp_url, &["--api-key-file", &keys], "http").await?;
+        let (cert, key) = (path("cert.pem"), path("key.pem"));
+        let tls = extra_router(&cp_url, &["--tls-cert", &cert, "--tls-key", &key], "https").await?;
+        (
+            format!("{keyed}/v1/chat/completions").parse::<http::Uri>()?,
+            format!("{tls}/v1/chat/completions").parse::<http::Uri>()?,
+        )
+    } else {
+        (routed.clone(), routed.clone())
+    };
     let c = client(1);
-    // Ready once a routed request succeeds.
+    // Ready once a routed request succeeds (on every router).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while one(&c, &routed, &body).await.is_err() {
-        anyhow::ensure!(Instant::now() < deadline, "the router did not become ready");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for uri in [&routed, &keyed, &tls] {
+        while one(&c, uri, &body).await.is_err() {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the router {uri} did not become ready"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     println!(
@@ -321,16 +417,19 @@ async fn main() -> anyhow::Result<()> {
         strategy.user_name(),
         if telemetry_guard.is_some() {
             "tracing export off and on (100% sampled) alternating"
+        } else if security {
+            "plain, API-key and HTTPS routers alternating"
         } else {
             "tracing export off"
         }
     );
     let target = |mode: Mode| {
         export_on.store(mode == Mode::RoutedExportOn, Ordering::Relaxed);
-        if mode == Mode::Direct {
-            &direct
-        } else {
-            &routed
+        match mode {
+            Mode::Direct => &direct,
+            Mode::RoutedApiKey => &keyed,
+            Mode::RoutedTls => &tls,
+            _ => &routed,
         }
     };
 
