@@ -69,6 +69,10 @@ pub fn to_status(e: StoreError) -> Status {
         StoreError::NotFound { .. } | StoreError::VariantNotFound { .. } => Status::not_found(msg),
         StoreError::AlreadyExists { .. } => Status::already_exists(msg),
         StoreError::FailedPrecondition(_) => Status::failed_precondition(msg),
+        StoreError::OutOfSpace(_) => {
+            tracing::error!(error = %msg, "storage full");
+            Status::resource_exhausted(msg)
+        }
         StoreError::Storage(_) | StoreError::Corrupt { .. } => {
             tracing::error!(error = %msg, "storage failure");
             Status::internal(msg)

@@ -54,6 +54,10 @@ pub enum StoreError {
     // with `{:#}` names it once.
     #[error("storage error: {0}")]
     Storage(sled::Error),
+    /// The disk under `--data-dir` is full (or over quota): the change was not made, and reads
+    /// and watches go on from what was stored.
+    #[error("the control plane's store is out of disk space ({0}): changes are refused until space is freed; reads and routing-table watches go on")]
+    OutOfSpace(sled::Error),
     #[error("corrupt record in {tree}: {error}")]
     Corrupt {
         tree: &'static str,
@@ -63,7 +67,17 @@ pub enum StoreError {
 
 impl From<sled::Error> for StoreError {
     fn from(e: sled::Error) -> Self {
-        StoreError::Storage(e)
+        match &e {
+            sled::Error::Io(io)
+                if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) =>
+            {
+                StoreError::OutOfSpace(e)
+            }
+            _ => StoreError::Storage(e),
+        }
     }
 }
 

@@ -428,7 +428,8 @@ impl Router {
                     return self.routed_error(table, &route, 504, &msg, "timeout_error");
                 }
                 Ok(Ok((response, conn))) if !response.status().is_server_error() => {
-                    instance.state().record_success();
+                    // A success for passive health once the body has ended, too (a body
+                    // that breaks off is a failure).
                     let trace = BodyTrace::start(span, upstream, sent, response.status());
                     return self.respond(table, &route, response, conn, in_flight, deadline, trace);
                 }
@@ -955,6 +956,7 @@ impl Body for ResponseBody {
                         Poll::Ready(Some(s.fail(e.into())))
                     }
                     Poll::Ready(None) => {
+                        s.in_flight.instance().record_success();
                         release(conn, stream);
                         stream.take();
                         end_trace(trace, None);
@@ -998,6 +1000,9 @@ impl Drop for ResponseBody {
         } = &mut self.kind
         {
             if conn.is_some() && body.is_end_stream() {
+                if let Some(s) = stream {
+                    s.in_flight.instance().record_success();
+                }
                 release(conn, stream);
             }
         }

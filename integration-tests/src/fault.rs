@@ -6,7 +6,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -36,6 +36,9 @@ pub enum Fault {
 pub struct FaultProxy {
     pub addr: SocketAddr,
     fault: watch::Sender<Fault>,
+    /// Bumped to reset every open connection once.
+    cut: watch::Sender<u64>,
+    target: Arc<Mutex<SocketAddr>>,
     accepted: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -48,21 +51,33 @@ impl FaultProxy {
             .expect("bind loopback");
         let addr = listener.local_addr().expect("local addr");
         let (fault, rx) = watch::channel(Fault::Pass);
+        let (cut, cut_rx) = watch::channel(0u64);
         let accepted = Arc::new(AtomicU64::new(0));
         let count = Arc::clone(&accepted);
+        let target = Arc::new(Mutex::new(target));
+        let to = Arc::clone(&target);
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 count.fetch_add(1, Relaxed);
                 let _ = client.set_nodelay(true);
-                tokio::spawn(serve(client, target, rx.clone()));
+                let target = *to.lock().unwrap_or_else(|e| e.into_inner());
+                tokio::spawn(serve(client, target, rx.clone(), cut_rx.clone()));
             }
         });
         FaultProxy {
             addr,
             fault,
+            cut,
+            target,
             accepted,
             task,
         }
+    }
+
+    /// New connections go to `target` from now on (open ones stay where they are): a server
+    /// restarted on another port, or swapped for a misbehaving one, behind the same address.
+    pub fn retarget(&self, target: SocketAddr) {
+        *self.target.lock().unwrap_or_else(|e| e.into_inner()) = target;
     }
 
     pub fn url(&self) -> String {
@@ -72,6 +87,12 @@ impl FaultProxy {
     /// Switches every connection, open and new, to `fault`.
     pub fn set(&self, fault: Fault) {
         self.fault.send_replace(fault);
+    }
+
+    /// Resets every connection open now (new ones are not affected): with [`Self::retarget`],
+    /// moves keep-alive clients to the new target at once.
+    pub fn reset_open_connections(&self) {
+        self.cut.send_modify(|n| *n += 1);
     }
 
     pub fn fault(&self) -> Fault {
@@ -108,7 +129,13 @@ async fn pace(fault: Fault, n: usize) {
     }
 }
 
-async fn serve(client: TcpStream, target: SocketAddr, mut fault: watch::Receiver<Fault>) {
+async fn serve(
+    client: TcpStream,
+    target: SocketAddr,
+    mut fault: watch::Receiver<Fault>,
+    mut cut: watch::Receiver<u64>,
+) {
+    cut.mark_unchanged();
     // A black-holed path still completes the handshake (the kernel accepted it); nothing flows
     // until it heals.
     loop {
@@ -126,10 +153,15 @@ async fn serve(client: TcpStream, target: SocketAddr, mut fault: watch::Receiver
         return reset(client);
     };
     let _ = upstream.set_nodelay(true);
-    pump(client, upstream, fault).await;
+    pump(client, upstream, fault, cut).await;
 }
 
-async fn pump(mut client: TcpStream, mut upstream: TcpStream, mut fault: watch::Receiver<Fault>) {
+async fn pump(
+    mut client: TcpStream,
+    mut upstream: TcpStream,
+    mut fault: watch::Receiver<Fault>,
+    mut cut: watch::Receiver<u64>,
+) {
     let mut up = vec![0u8; 16 << 10];
     let mut down = vec![0u8; 16 << 10];
     let (mut up_open, mut down_open) = (true, true);
@@ -189,6 +221,11 @@ async fn pump(mut client: TcpStream, mut upstream: TcpStream, mut fault: watch::
             changed = fault.changed() => if changed.is_err() {
                 return; // the proxy is gone
             },
+            _ = cut.changed() => {
+                reset(client);
+                reset(upstream);
+                return;
+            }
         }
     }
 }
@@ -345,6 +382,36 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(got.len(), 1000);
+    }
+
+    #[tokio::test]
+    async fn retarget_sends_new_connections_to_the_new_target() {
+        let proxy = FaultProxy::start(echo().await).await;
+        let mut first = TcpStream::connect(proxy.addr).await.unwrap();
+        first.write_all(b"send 3\n").await.unwrap();
+        assert_eq!(read_n(&mut first, 3).await.unwrap(), b"xxx");
+        // a server that answers "other" to anything
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        proxy.retarget(l.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            s.write_all(b"other").await.unwrap();
+        });
+        let mut second = TcpStream::connect(proxy.addr).await.unwrap();
+        assert_eq!(
+            timeout(LIMIT, read_n(&mut second, 5))
+                .await
+                .unwrap()
+                .unwrap(),
+            b"other"
+        );
+        // the open connection still reaches the first target, until it is cut
+        first.write_all(b"send 2\n").await.unwrap();
+        assert_eq!(read_n(&mut first, 2).await.unwrap(), b"xx");
+        proxy.reset_open_connections();
+        let mut buf = [0u8; 4];
+        let r = timeout(LIMIT, first.read(&mut buf)).await.unwrap();
+        assert!(matches!(r, Err(_) | Ok(0)), "{r:?}");
     }
 
     #[tokio::test]

@@ -150,10 +150,21 @@ impl ChildServer {
 
     /// [`Self::start`] with extra environment variables (e.g. `RUST_LOG`).
     pub fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
+        Self::start_listening(name, "127.0.0.1:0", args, env)
+    }
+
+    /// [`Self::start_with_env`] on a given `--listen` address (e.g. the port of a server that
+    /// just stopped, to restart it where its clients look for it).
+    pub fn start_listening(
+        name: &str,
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         use std::io::{BufRead, BufReader};
         let mut child = Command::new(bin(name))
             .args(args)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
