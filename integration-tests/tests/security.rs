@@ -774,6 +774,13 @@ async fn api_keys_guard_the_router_and_only_the_upstream_key_reaches_the_engine(
     .await;
     let dump = format!("{spans:?}");
     no_secrets("the exported spans", &dump);
+    for server in [&keyed, &plain, &forwarding, &fleet.engine] {
+        let (_, _, metrics) = http
+            .send(server, http::Method::GET, "/metrics", None, String::new())
+            .await;
+        assert!(metrics.contains("# TYPE"), "{metrics}");
+        no_secrets("/metrics", &metrics);
+    }
     eprintln!("{} spans exported, none with a key", spans.len());
 
     for (what, server) in [
