@@ -72,7 +72,12 @@ pub struct Spec {
     pub routers: usize,
     pub strategy: RoutingStrategy,
     pub engine_args: Vec<&'static str>,
-    pub router_args: Vec<&'static str>,
+    pub router_args: Vec<String>,
+}
+
+/// Owned flags.
+pub fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
 }
 
 impl Default for Spec {
@@ -83,7 +88,7 @@ impl Default for Spec {
             strategy: RoutingStrategy::PrefixAware,
             // ttft 12 ms, 5 ms per token
             engine_args: vec!["--time-scale", "0.2"],
-            router_args: vec!["--workers", "1"],
+            router_args: args(&["--workers", "1"]),
         }
     }
 }
@@ -124,7 +129,7 @@ impl Fleet {
             cp_proxy,
             engines,
             routers: Vec::new(),
-            router_args: spec.router_args.iter().map(|s| s.to_string()).collect(),
+            router_args: spec.router_args,
             sdk,
             http: http(),
         };
