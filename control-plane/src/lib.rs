@@ -18,6 +18,7 @@
 
 pub mod auth;
 pub mod discovery;
+pub mod etcd;
 pub mod metrics;
 pub mod model;
 pub mod rpc_layer;
@@ -49,9 +50,16 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
-    /// Directory of the sled database (created if missing).
+    /// Directory of the sled database (created if missing). Not used with --etcd-endpoints.
     #[arg(long, default_value = "./.prefix-router/control-plane")]
     pub data_dir: PathBuf,
+    /// Keep the state in etcd instead of sled, so that several control-plane replicas share it:
+    /// comma-separated client URLs of the etcd members (e.g. http://a:2379,http://b:2379).
+    #[arg(long, value_name = "URL,URL,...", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix of this control plane's state in etcd.
+    #[arg(long, default_value = "/prefix-router/", value_name = "PREFIX")]
+    pub etcd_prefix: String,
     /// How often expired instance leases are looked for, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub lease_check_interval_ms: u64,
@@ -181,7 +189,15 @@ pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOption
         None => None,
     };
     let tls = config.tls()?;
-    let store = open_store(&config.data_dir)?;
+    let store = if config.etcd_endpoints.is_empty() {
+        open_store(&config.data_dir)?
+    } else {
+        etcd::open_store(&etcd::EtcdSettings {
+            endpoints: config.etcd_endpoints.clone(),
+            prefix: config.etcd_prefix.clone(),
+        })
+        .await?
+    };
     let metrics_listener = match config.metrics_listen {
         Some(addr) => Some(
             TcpListener::bind(addr)

@@ -69,6 +69,8 @@ pub fn to_status(e: StoreError) -> Status {
         StoreError::NotFound { .. } | StoreError::VariantNotFound { .. } => Status::not_found(msg),
         StoreError::AlreadyExists { .. } => Status::already_exists(msg),
         StoreError::FailedPrecondition(_) => Status::failed_precondition(msg),
+        StoreError::Unavailable(_) => Status::unavailable(msg),
+        StoreError::Aborted(_) | StoreError::Conflict => Status::aborted(msg),
         StoreError::OutOfSpace(_) => {
             tracing::error!(error = %msg, "storage full");
             Status::resource_exhausted(msg)

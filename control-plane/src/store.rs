@@ -1,4 +1,8 @@
-//! Durable state in sled, and the routing table derived from it.
+//! Durable state, and the routing table derived from it.
+//!
+//! The state lives in a [`Backend`]: sled under `--data-dir` (the default, [`SledBackend`]) or
+//! etcd (`--etcd-endpoints`, [`crate::etcd::EtcdBackend`]), which several control-plane replicas
+//! share. Every rule about what a change does lives here, once; a backend only reads and commits.
 //!
 //! Trees (all values are encoded protobuf messages, keys are UTF-8 names unless noted):
 //! - `config_revisions`: `name \0 revision(u64 BE)` -> `EndpointConfig`; every revision stays.
@@ -9,8 +13,12 @@
 //!
 //! Invariants:
 //! - One writer at a time (`write` mutex): a change reads what it needs, then commits all its
-//!   writes, including the routing-table version bump, in one multi-tree sled transaction, then
-//!   flushes before it returns. A `kill -9` at any point leaves either all of a change or none.
+//!   writes, including the routing-table version bump, in one atomic backend commit (a multi-tree
+//!   sled transaction, or one etcd transaction), durable before it returns. A `kill -9` at any
+//!   point leaves either all of a change or none.
+//! - Across replicas (etcd), a commit succeeds only if no other commit happened since this
+//!   replica's reads (compare-and-swap on a change counter); otherwise the change is re-read,
+//!   re-validated and retried, so no write is lost and no version is given out twice.
 //! - The routing-table version only grows; it is bumped exactly when what routers see changes.
 //! - The published table is rebuilt and encoded once per version, under the same mutex, so
 //!   watchers observe versions in order and share one buffer.
@@ -63,6 +71,15 @@ pub enum StoreError {
         tree: &'static str,
         error: prost::DecodeError,
     },
+    /// Another replica committed since this one read: the change is retried (internal).
+    #[error("another control-plane replica changed the state at the same time")]
+    Conflict,
+    /// The shared store cannot take the change now (etcd unreachable or without quorum).
+    #[error("the control plane's store is unavailable: {0}")]
+    Unavailable(String),
+    /// The change lost every retry to concurrent changes from other replicas.
+    #[error("{0}")]
+    Aborted(String),
 }
 
 impl From<sled::Error> for StoreError {
@@ -95,8 +112,9 @@ pub struct PublishedTable {
     pub encoded: Bytes,
 }
 
-#[derive(Clone, Copy)]
-enum TreeId {
+/// A key space of the store (a sled tree; a key prefix in etcd).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum TreeId {
     Configs,
     Heads,
     Endpoints,
@@ -104,21 +122,127 @@ enum TreeId {
     Meta,
 }
 
+impl TreeId {
+    /// The sled tree name (also the etcd key segment).
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            TreeId::Configs => "config_revisions",
+            TreeId::Heads => "config_heads",
+            TreeId::Endpoints => "endpoints",
+            TreeId::Instances => "instances",
+            TreeId::Meta => "meta",
+        }
+    }
+}
+
 /// One write of a change; a change's writes commit together.
-enum Op {
+pub(crate) enum Op {
     Put(TreeId, Vec<u8>, Vec<u8>),
     Del(TreeId, Vec<u8>),
 }
 
+/// Where the state lives: reads, and atomic durable commits.
+pub(crate) trait Backend: Send + Sync {
+    fn get(&self, tree: TreeId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Every `(key, value)` of `tree` whose key starts with `prefix`, in key order.
+    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError>;
+    /// Commits `ops` all or nothing, durably. [`StoreError::Conflict`] when another writer
+    /// committed since this backend's reads were last brought up to date.
+    fn commit(&self, ops: &[Op]) -> Result<(), StoreError>;
+    /// Brings reads up to date with every commit made so far, anywhere (after a conflict).
+    fn sync(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+    fn flush(&self) -> Result<(), StoreError>;
+}
+
+/// How many times a change is retried when other replicas keep committing first.
+const COMMIT_ATTEMPTS: usize = 16;
+
 pub struct Store {
-    db: sled::Db,
-    configs: Tree,
-    heads: Tree,
-    endpoints: Tree,
-    instances: Tree,
-    meta: Tree,
+    backend: Box<dyn Backend>,
     write: Mutex<()>,
     published: watch::Sender<Arc<PublishedTable>>,
+}
+
+/// The sled backend: one tree per [`TreeId`], multi-tree transactions, a flush per commit.
+pub(crate) struct SledBackend {
+    db: sled::Db,
+    trees: [Tree; 5],
+}
+
+impl SledBackend {
+    pub(crate) fn open(dir: &std::path::Path) -> Result<Self, StoreError> {
+        let db = sled::Config::new().path(dir).flush_every_ms(None).open()?;
+        let tree = |id: TreeId| db.open_tree(id.name());
+        let trees = [
+            tree(TreeId::Configs)?,
+            tree(TreeId::Heads)?,
+            tree(TreeId::Endpoints)?,
+            tree(TreeId::Instances)?,
+            tree(TreeId::Meta)?,
+        ];
+        Ok(SledBackend { db, trees })
+    }
+
+    fn tree(&self, id: TreeId) -> &Tree {
+        &self.trees[id as usize]
+    }
+}
+
+impl Backend for SledBackend {
+    fn get(&self, tree: TreeId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.tree(tree).get(key)?.map(|v| v.to_vec()))
+    }
+
+    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+        self.tree(tree)
+            .scan_prefix(prefix)
+            .map(|kv| {
+                let (k, v) = kv?;
+                Ok((k.to_vec(), v.to_vec()))
+            })
+            .collect()
+    }
+
+    fn commit(&self, ops: &[Op]) -> Result<(), StoreError> {
+        let [c, h, e, i, m] = &self.trees;
+        let result: Result<(), TransactionError<()>> =
+            (c, h, e, i, m).transaction(|(c, h, e, i, m)| {
+                let pick = |id: TreeId| -> &TransactionalTree {
+                    match id {
+                        TreeId::Configs => c,
+                        TreeId::Heads => h,
+                        TreeId::Endpoints => e,
+                        TreeId::Instances => i,
+                        TreeId::Meta => m,
+                    }
+                };
+                for op in ops {
+                    match op {
+                        Op::Put(t, k, v) => {
+                            pick(*t).insert(k.as_slice(), v.as_slice())?;
+                        }
+                        Op::Del(t, k) => {
+                            pick(*t).remove(k.as_slice())?;
+                        }
+                    }
+                }
+                Ok(())
+            });
+        match result {
+            Ok(()) => {}
+            Err(TransactionError::Storage(e)) => return Err(e.into()),
+            Err(TransactionError::Abort(())) => unreachable!("the transaction never aborts"),
+        }
+        self.db.flush()?;
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
 }
 
 /// Describes an endpoint as stored: its record, the config revision it routes with, and its
@@ -158,38 +282,61 @@ fn decode<M: Message + Default>(tree: &'static str, bytes: &[u8]) -> Result<M, S
 }
 
 impl Store {
-    /// Opens (or creates) the store under `dir`. A fresh store starts at routing-table version 1
-    /// (an empty table), so a router that holds nothing (version 0) is always behind.
+    /// Opens (or creates) the sled store under `dir`. A fresh store starts at routing-table
+    /// version 1 (an empty table), so a router that holds nothing (version 0) is always behind.
     pub fn open(dir: &std::path::Path) -> Result<Self, StoreError> {
-        let db = sled::Config::new().path(dir).flush_every_ms(None).open()?;
-        let configs = db.open_tree("config_revisions")?;
-        let heads = db.open_tree("config_heads")?;
-        let endpoints = db.open_tree("endpoints")?;
-        let instances = db.open_tree("instances")?;
-        let meta = db.open_tree("meta")?;
-        if meta.get(VERSION_KEY)?.is_none() {
-            meta.insert(VERSION_KEY, &1u64.to_be_bytes())?;
-            db.flush()?;
-        }
+        Self::with_backend(Box::new(SledBackend::open(dir)?))
+    }
+
+    /// A store over `backend`, initialized (version 1) if empty, with its table published.
+    pub(crate) fn with_backend(backend: Box<dyn Backend>) -> Result<Self, StoreError> {
         let (published, _) = watch::channel(Arc::new(PublishedTable {
             version: 0,
             encoded: Bytes::new(),
         }));
         let store = Self {
-            db,
-            configs,
-            heads,
-            endpoints,
-            instances,
-            meta,
+            backend,
             write: Mutex::new(()),
             published,
         };
         {
             let _guard = store.lock();
+            store.mutate(|| {
+                if store.backend.get(TreeId::Meta, VERSION_KEY)?.is_none() {
+                    store.commit(vec![], Some(1))?;
+                }
+                Ok(())
+            })?;
             store.publish()?;
         }
         Ok(store)
+    }
+
+    /// Runs a change, again from its reads when another replica committed first (its reads
+    /// brought up to date in between). Call with the write lock held.
+    fn mutate<T>(
+        &self,
+        mut change: impl FnMut() -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        for _ in 0..COMMIT_ATTEMPTS {
+            match change() {
+                Err(StoreError::Conflict) => self.backend.sync()?,
+                other => return other,
+            }
+        }
+        Err(StoreError::Aborted(format!(
+            "the change lost to concurrent changes from other control-plane replicas {COMMIT_ATTEMPTS} times; retry it"
+        )))
+    }
+
+    /// Publishes the table again if the stored version moved without this replica (another
+    /// replica committed). Called when the backend sees outside changes.
+    pub(crate) fn republish_if_changed(&self) -> Result<(), StoreError> {
+        let _guard = self.lock();
+        if self.version()? != self.published().version {
+            self.publish()?;
+        }
+        Ok(())
     }
 
     fn lock(&self) -> MutexGuard<'_, ()> {
@@ -210,14 +357,14 @@ impl Store {
     /// The current routing-table version.
     pub fn version(&self) -> Result<u64, StoreError> {
         Ok(self
-            .meta
-            .get(VERSION_KEY)?
+            .backend
+            .get(TreeId::Meta, VERSION_KEY)?
             .map(|v| read_u64(&v))
             .unwrap_or(1))
     }
 
-    /// Commits `ops` atomically (with `new_version` written in the same transaction when set),
-    /// flushes, and republishes the table if the version moved. Call with the write lock held.
+    /// Commits `ops` atomically (with `new_version` written in the same commit when set),
+    /// durably, and republishes the table if the version moved. Call with the write lock held.
     fn commit(&self, mut ops: Vec<Op>, new_version: Option<u64>) -> Result<(), StoreError> {
         if let Some(v) = new_version {
             ops.push(Op::Put(
@@ -226,41 +373,7 @@ impl Store {
                 v.to_be_bytes().to_vec(),
             ));
         }
-        let result: Result<(), TransactionError<()>> = (
-            &self.configs,
-            &self.heads,
-            &self.endpoints,
-            &self.instances,
-            &self.meta,
-        )
-            .transaction(|(c, h, e, i, m)| {
-                let pick = |id: TreeId| -> &TransactionalTree {
-                    match id {
-                        TreeId::Configs => c,
-                        TreeId::Heads => h,
-                        TreeId::Endpoints => e,
-                        TreeId::Instances => i,
-                        TreeId::Meta => m,
-                    }
-                };
-                for op in &ops {
-                    match op {
-                        Op::Put(t, k, v) => {
-                            pick(*t).insert(k.as_slice(), v.as_slice())?;
-                        }
-                        Op::Del(t, k) => {
-                            pick(*t).remove(k.as_slice())?;
-                        }
-                    }
-                }
-                Ok(())
-            });
-        match result {
-            Ok(()) => {}
-            Err(TransactionError::Storage(e)) => return Err(e.into()),
-            Err(TransactionError::Abort(())) => unreachable!("the transaction never aborts"),
-        }
-        self.db.flush()?;
+        self.backend.commit(&ops)?;
         if new_version.is_some() {
             self.publish()?;
         }
@@ -277,12 +390,15 @@ impl Store {
     }
 
     fn head(&self, name: &str) -> Result<Option<u64>, StoreError> {
-        Ok(self.heads.get(name.as_bytes())?.map(|v| read_u64(&v)))
+        Ok(self
+            .backend
+            .get(TreeId::Heads, name.as_bytes())?
+            .map(|v| read_u64(&v)))
     }
 
     fn config_at(&self, name: &str, revision: u64) -> Result<Option<EndpointConfig>, StoreError> {
-        self.configs
-            .get(revision_key(name, revision))?
+        self.backend
+            .get(TreeId::Configs, &revision_key(name, revision))?
             .map(|v| decode("config_revisions", &v))
             .transpose()
     }
@@ -295,25 +411,25 @@ impl Store {
     }
 
     fn endpoint(&self, name: &str) -> Result<Option<Endpoint>, StoreError> {
-        self.endpoints
-            .get(name.as_bytes())?
+        self.backend
+            .get(TreeId::Endpoints, name.as_bytes())?
             .map(|v| decode("endpoints", &v))
             .transpose()
     }
 
     fn all_endpoints(&self) -> Result<Vec<Endpoint>, StoreError> {
-        self.endpoints
+        self.backend
+            .scan(TreeId::Endpoints, b"")?
             .iter()
-            .values()
-            .map(|v| decode("endpoints", &v?))
+            .map(|(_, v)| decode("endpoints", v))
             .collect()
     }
 
     fn all_instances(&self) -> Result<Vec<RegisteredInstance>, StoreError> {
-        self.instances
+        self.backend
+            .scan(TreeId::Instances, b"")?
             .iter()
-            .values()
-            .map(|v| decode("instances", &v?))
+            .map(|(_, v)| decode("instances", v))
             .collect()
     }
 
@@ -338,34 +454,36 @@ impl Store {
         model::validate_name("endpoint_config_name", name)?;
         let variants = model::validate_variants(variants)?;
         let _guard = self.lock();
-        if self.head(name)?.is_some() {
-            return Err(StoreError::AlreadyExists {
-                kind: "endpoint config",
-                name: name.into(),
-            });
-        }
-        let config = EndpointConfig {
-            endpoint_config_name: name.into(),
-            production_variants: variants,
-            revision: 1,
-            creation_time_unix_ms: now_unix_ms(),
-        };
-        self.commit(
-            vec![
-                Op::Put(
-                    TreeId::Configs,
-                    revision_key(name, 1),
-                    config.encode_to_vec(),
-                ),
-                Op::Put(
-                    TreeId::Heads,
-                    name.as_bytes().to_vec(),
-                    1u64.to_be_bytes().to_vec(),
-                ),
-            ],
-            None,
-        )?;
-        Ok(config)
+        self.mutate(|| {
+            if self.head(name)?.is_some() {
+                return Err(StoreError::AlreadyExists {
+                    kind: "endpoint config",
+                    name: name.into(),
+                });
+            }
+            let config = EndpointConfig {
+                endpoint_config_name: name.into(),
+                production_variants: variants.clone(),
+                revision: 1,
+                creation_time_unix_ms: now_unix_ms(),
+            };
+            self.commit(
+                vec![
+                    Op::Put(
+                        TreeId::Configs,
+                        revision_key(name, 1),
+                        config.encode_to_vec(),
+                    ),
+                    Op::Put(
+                        TreeId::Heads,
+                        name.as_bytes().to_vec(),
+                        1u64.to_be_bytes().to_vec(),
+                    ),
+                ],
+                None,
+            )?;
+            Ok(config)
+        })
     }
 
     /// Writes a new revision. Returns it and the routing-table version it produced (0 when no
@@ -379,51 +497,53 @@ impl Store {
         model::validate_name("endpoint_config_name", name)?;
         let variants = model::validate_variants(variants)?;
         let _guard = self.lock();
-        let head = self
-            .head(name)?
-            .ok_or_else(|| not_found("endpoint config", name))?;
-        if let Some(expected) = expected_revision {
-            if expected != head {
-                return Err(StoreError::FailedPrecondition(format!(
-                    "endpoint config {name:?} is at revision {head}, not the expected_revision {expected}"
-                )));
+        self.mutate(|| {
+            let head = self
+                .head(name)?
+                .ok_or_else(|| not_found("endpoint config", name))?;
+            if let Some(expected) = expected_revision {
+                if expected != head {
+                    return Err(StoreError::FailedPrecondition(format!(
+                        "endpoint config {name:?} is at revision {head}, not the expected_revision {expected}"
+                    )));
+                }
             }
-        }
-        let now = now_unix_ms();
-        let revision = head + 1;
-        let config = EndpointConfig {
-            endpoint_config_name: name.into(),
-            production_variants: variants,
-            revision,
-            creation_time_unix_ms: now,
-        };
-        let mut ops = vec![
-            Op::Put(
-                TreeId::Configs,
-                revision_key(name, revision),
-                config.encode_to_vec(),
-            ),
-            Op::Put(
-                TreeId::Heads,
-                name.as_bytes().to_vec(),
-                revision.to_be_bytes().to_vec(),
-            ),
-        ];
-        let users: Vec<Endpoint> = self
-            .all_endpoints()?
-            .into_iter()
-            .filter(|e| e.endpoint_config_name == name)
-            .collect();
-        let new_version = if users.is_empty() {
-            None
-        } else {
-            Some(self.version()? + 1)
-        };
-        if let Some(v) = new_version {
-            ops.extend(users.into_iter().map(|e| Self::touch_endpoint(e, v, now)));
-        }
-        self.commit(ops, new_version)?;
-        Ok((config, new_version.unwrap_or(0)))
+            let now = now_unix_ms();
+            let revision = head + 1;
+            let config = EndpointConfig {
+                endpoint_config_name: name.into(),
+                production_variants: variants.clone(),
+                revision,
+                creation_time_unix_ms: now,
+            };
+            let mut ops = vec![
+                Op::Put(
+                    TreeId::Configs,
+                    revision_key(name, revision),
+                    config.encode_to_vec(),
+                ),
+                Op::Put(
+                    TreeId::Heads,
+                    name.as_bytes().to_vec(),
+                    revision.to_be_bytes().to_vec(),
+                ),
+            ];
+            let users: Vec<Endpoint> = self
+                .all_endpoints()?
+                .into_iter()
+                .filter(|e| e.endpoint_config_name == name)
+                .collect();
+            let new_version = if users.is_empty() {
+                None
+            } else {
+                Some(self.version()? + 1)
+            };
+            if let Some(v) = new_version {
+                ops.extend(users.into_iter().map(|e| Self::touch_endpoint(e, v, now)));
+            }
+            self.commit(ops, new_version)?;
+            Ok((config, new_version.unwrap_or(0)))
+        })
     }
 
     /// The config at `revision` (latest when `None`), its latest revision, and the endpoints
@@ -453,8 +573,7 @@ impl Store {
     pub fn list_configs(&self) -> Result<Vec<EndpointConfig>, StoreError> {
         let _guard = self.lock();
         let mut out = Vec::new();
-        for kv in self.heads.iter() {
-            let (k, v) = kv?;
+        for (k, v) in self.backend.scan(TreeId::Heads, b"")? {
             let name = String::from_utf8_lossy(&k).into_owned();
             if let Some(c) = self.config_at(&name, read_u64(&v))? {
                 out.push(c);
@@ -465,26 +584,28 @@ impl Store {
 
     pub fn delete_config(&self, name: &str) -> Result<(), StoreError> {
         let _guard = self.lock();
-        self.head(name)?
-            .ok_or_else(|| not_found("endpoint config", name))?;
-        let users: Vec<String> = self
-            .all_endpoints()?
-            .into_iter()
-            .filter(|e| e.endpoint_config_name == name)
-            .map(|e| e.endpoint_name)
-            .collect();
-        if !users.is_empty() {
-            return Err(StoreError::FailedPrecondition(format!(
-                "endpoint config {name:?} is used by endpoint(s) {users:?}; point them elsewhere or delete them first"
-            )));
-        }
-        let mut prefix = name.as_bytes().to_vec();
-        prefix.push(0);
-        let mut ops = vec![Op::Del(TreeId::Heads, name.as_bytes().to_vec())];
-        for k in self.configs.scan_prefix(&prefix).keys() {
-            ops.push(Op::Del(TreeId::Configs, k?.to_vec()));
-        }
-        self.commit(ops, None)
+        self.mutate(|| {
+            self.head(name)?
+                .ok_or_else(|| not_found("endpoint config", name))?;
+            let users: Vec<String> = self
+                .all_endpoints()?
+                .into_iter()
+                .filter(|e| e.endpoint_config_name == name)
+                .map(|e| e.endpoint_name)
+                .collect();
+            if !users.is_empty() {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "endpoint config {name:?} is used by endpoint(s) {users:?}; point them elsewhere or delete them first"
+                )));
+            }
+            let mut prefix = name.as_bytes().to_vec();
+            prefix.push(0);
+            let mut ops = vec![Op::Del(TreeId::Heads, name.as_bytes().to_vec())];
+            for (k, _) in self.backend.scan(TreeId::Configs, &prefix)? {
+                ops.push(Op::Del(TreeId::Configs, k));
+            }
+            self.commit(ops, None)
+        })
     }
 
     // ---- endpoints ----
@@ -493,48 +614,52 @@ impl Store {
         model::validate_name("endpoint_name", name)?;
         model::validate_name("endpoint_config_name", config_name)?;
         let _guard = self.lock();
-        if self.endpoint(name)?.is_some() {
-            return Err(StoreError::AlreadyExists {
-                kind: "endpoint",
-                name: name.into(),
-            });
-        }
-        self.head(config_name)?
-            .ok_or_else(|| not_found("endpoint config", config_name))?;
-        let now = now_unix_ms();
-        let version = self.version()? + 1;
-        let endpoint = Endpoint {
-            endpoint_name: name.into(),
-            endpoint_config_name: config_name.into(),
-            creation_time_unix_ms: now,
-            last_modified_time_unix_ms: now,
-            routing_table_version: version,
-        };
-        self.commit(
-            vec![Self::touch_endpoint(endpoint.clone(), version, now)],
-            Some(version),
-        )?;
-        Ok(endpoint)
+        self.mutate(|| {
+            if self.endpoint(name)?.is_some() {
+                return Err(StoreError::AlreadyExists {
+                    kind: "endpoint",
+                    name: name.into(),
+                });
+            }
+            self.head(config_name)?
+                .ok_or_else(|| not_found("endpoint config", config_name))?;
+            let now = now_unix_ms();
+            let version = self.version()? + 1;
+            let endpoint = Endpoint {
+                endpoint_name: name.into(),
+                endpoint_config_name: config_name.into(),
+                creation_time_unix_ms: now,
+                last_modified_time_unix_ms: now,
+                routing_table_version: version,
+            };
+            self.commit(
+                vec![Self::touch_endpoint(endpoint.clone(), version, now)],
+                Some(version),
+            )?;
+            Ok(endpoint)
+        })
     }
 
     pub fn update_endpoint(&self, name: &str, config_name: &str) -> Result<Endpoint, StoreError> {
         model::validate_name("endpoint_config_name", config_name)?;
         let _guard = self.lock();
-        let mut endpoint = self
-            .endpoint(name)?
-            .ok_or_else(|| not_found("endpoint", name))?;
-        self.head(config_name)?
-            .ok_or_else(|| not_found("endpoint config", config_name))?;
-        let now = now_unix_ms();
-        let version = self.version()? + 1;
-        endpoint.endpoint_config_name = config_name.into();
-        endpoint.routing_table_version = version;
-        endpoint.last_modified_time_unix_ms = now;
-        self.commit(
-            vec![Self::touch_endpoint(endpoint.clone(), version, now)],
-            Some(version),
-        )?;
-        Ok(endpoint)
+        self.mutate(|| {
+            let mut endpoint = self
+                .endpoint(name)?
+                .ok_or_else(|| not_found("endpoint", name))?;
+            self.head(config_name)?
+                .ok_or_else(|| not_found("endpoint config", config_name))?;
+            let now = now_unix_ms();
+            let version = self.version()? + 1;
+            endpoint.endpoint_config_name = config_name.into();
+            endpoint.routing_table_version = version;
+            endpoint.last_modified_time_unix_ms = now;
+            self.commit(
+                vec![Self::touch_endpoint(endpoint.clone(), version, now)],
+                Some(version),
+            )?;
+            Ok(endpoint)
+        })
     }
 
     pub fn describe_endpoint(&self, name: &str) -> Result<EndpointView, StoreError> {
@@ -566,18 +691,20 @@ impl Store {
     /// Deletes the endpoint and its registered instances.
     pub fn delete_endpoint(&self, name: &str) -> Result<(), StoreError> {
         let _guard = self.lock();
-        self.endpoint(name)?
-            .ok_or_else(|| not_found("endpoint", name))?;
-        let mut ops = vec![Op::Del(TreeId::Endpoints, name.as_bytes().to_vec())];
-        for inst in self
-            .all_instances()?
-            .into_iter()
-            .filter(|i| i.endpoint_name == name)
-        {
-            ops.push(Op::Del(TreeId::Instances, inst.instance_id.into_bytes()));
-        }
-        let version = self.version()? + 1;
-        self.commit(ops, Some(version))
+        self.mutate(|| {
+            self.endpoint(name)?
+                .ok_or_else(|| not_found("endpoint", name))?;
+            let mut ops = vec![Op::Del(TreeId::Endpoints, name.as_bytes().to_vec())];
+            for inst in self
+                .all_instances()?
+                .into_iter()
+                .filter(|i| i.endpoint_name == name)
+            {
+                ops.push(Op::Del(TreeId::Instances, inst.instance_id.into_bytes()));
+            }
+            let version = self.version()? + 1;
+            self.commit(ops, Some(version))
+        })
     }
 
     // ---- registered instances ----
@@ -594,111 +721,119 @@ impl Store {
         let address = model::normalize_instance_url("address", address)?;
         let ttl = model::validate_lease_ttl("lease_ttl_seconds", lease_ttl_seconds)?;
         let _guard = self.lock();
-        let endpoint = self
-            .endpoint(endpoint_name)?
-            .ok_or_else(|| not_found("endpoint", endpoint_name))?;
-        let config = self
-            .latest_config(&endpoint.endpoint_config_name)?
-            .ok_or_else(|| not_found("endpoint config", &endpoint.endpoint_config_name))?;
-        if !config
-            .production_variants
-            .iter()
-            .any(|v| v.variant_name == variant_name)
-        {
-            return Err(StoreError::VariantNotFound {
-                variant: variant_name.into(),
-                endpoint: endpoint_name.into(),
-                config: config.endpoint_config_name,
-                revision: config.revision,
+        self.mutate(|| {
+            let endpoint = self
+                .endpoint(endpoint_name)?
+                .ok_or_else(|| not_found("endpoint", endpoint_name))?;
+            let config = self
+                .latest_config(&endpoint.endpoint_config_name)?
+                .ok_or_else(|| not_found("endpoint config", &endpoint.endpoint_config_name))?;
+            if !config
+                .production_variants
+                .iter()
+                .any(|v| v.variant_name == variant_name)
+            {
+                return Err(StoreError::VariantNotFound {
+                    variant: variant_name.into(),
+                    endpoint: endpoint_name.into(),
+                    config: config.endpoint_config_name,
+                    revision: config.revision,
+                });
+            }
+            let now = now_unix_ms();
+            let expires = now + i64::from(ttl) * 1000;
+            let existing = self.all_instances()?.into_iter().find(|i| {
+                i.endpoint_name == endpoint_name
+                    && i.variant_name == variant_name
+                    && i.address == address
             });
-        }
-        let now = now_unix_ms();
-        let expires = now + i64::from(ttl) * 1000;
-        let existing = self.all_instances()?.into_iter().find(|i| {
-            i.endpoint_name == endpoint_name
-                && i.variant_name == variant_name
-                && i.address == address
-        });
-        if let Some(mut inst) = existing {
-            inst.lease_ttl_seconds = ttl;
-            inst.lease_expires_unix_ms = expires;
+            if let Some(mut inst) = existing {
+                inst.lease_ttl_seconds = ttl;
+                inst.lease_expires_unix_ms = expires;
+                self.commit(
+                    vec![Op::Put(
+                        TreeId::Instances,
+                        inst.instance_id.clone().into_bytes(),
+                        inst.encode_to_vec(),
+                    )],
+                    None,
+                )?;
+                return Ok(inst);
+            }
+            let inst = RegisteredInstance {
+                instance_id: uuid::Uuid::new_v4().to_string(),
+                endpoint_name: endpoint_name.into(),
+                variant_name: variant_name.into(),
+                address: address.clone(),
+                lease_ttl_seconds: ttl,
+                lease_expires_unix_ms: expires,
+            };
+            let version = self.version()? + 1;
             self.commit(
-                vec![Op::Put(
-                    TreeId::Instances,
-                    inst.instance_id.clone().into_bytes(),
-                    inst.encode_to_vec(),
-                )],
-                None,
+                vec![
+                    Op::Put(
+                        TreeId::Instances,
+                        inst.instance_id.clone().into_bytes(),
+                        inst.encode_to_vec(),
+                    ),
+                    Self::touch_endpoint(endpoint, version, now),
+                ],
+                Some(version),
             )?;
-            return Ok(inst);
-        }
-        let inst = RegisteredInstance {
-            instance_id: uuid::Uuid::new_v4().to_string(),
-            endpoint_name: endpoint_name.into(),
-            variant_name: variant_name.into(),
-            address,
-            lease_ttl_seconds: ttl,
-            lease_expires_unix_ms: expires,
-        };
-        let version = self.version()? + 1;
-        self.commit(
-            vec![
-                Op::Put(
-                    TreeId::Instances,
-                    inst.instance_id.clone().into_bytes(),
-                    inst.encode_to_vec(),
-                ),
-                Self::touch_endpoint(endpoint, version, now),
-            ],
-            Some(version),
-        )?;
-        Ok(inst)
+            Ok(inst)
+        })
     }
 
     pub fn renew_lease(&self, instance_id: &str) -> Result<RegisteredInstance, StoreError> {
         let _guard = self.lock();
-        let mut inst: RegisteredInstance = self
-            .instances
-            .get(instance_id.as_bytes())?
-            .map(|v| decode("instances", &v))
-            .transpose()?
-            .ok_or_else(|| not_found("instance", instance_id))?;
-        inst.lease_expires_unix_ms = now_unix_ms() + i64::from(inst.lease_ttl_seconds) * 1000;
-        self.commit(
-            vec![Op::Put(
-                TreeId::Instances,
-                instance_id.as_bytes().to_vec(),
-                inst.encode_to_vec(),
-            )],
-            None,
-        )?;
-        Ok(inst)
+        self.mutate(|| {
+            let mut inst: RegisteredInstance = self
+                .backend
+                .get(TreeId::Instances, instance_id.as_bytes())?
+                .map(|v| decode("instances", &v))
+                .transpose()?
+                .ok_or_else(|| not_found("instance", instance_id))?;
+            inst.lease_expires_unix_ms = now_unix_ms() + i64::from(inst.lease_ttl_seconds) * 1000;
+            self.commit(
+                vec![Op::Put(
+                    TreeId::Instances,
+                    instance_id.as_bytes().to_vec(),
+                    inst.encode_to_vec(),
+                )],
+                None,
+            )?;
+            Ok(inst)
+        })
     }
 
     pub fn deregister_instance(&self, instance_id: &str) -> Result<(), StoreError> {
         let _guard = self.lock();
-        let inst: RegisteredInstance = self
-            .instances
-            .get(instance_id.as_bytes())?
-            .map(|v| decode("instances", &v))
-            .transpose()?
-            .ok_or_else(|| not_found("instance", instance_id))?;
-        self.remove_instances(vec![inst])
+        self.mutate(|| {
+            let inst: RegisteredInstance = self
+                .backend
+                .get(TreeId::Instances, instance_id.as_bytes())?
+                .map(|v| decode("instances", &v))
+                .transpose()?
+                .ok_or_else(|| not_found("instance", instance_id))?;
+            self.remove_instances(vec![inst])
+        })
     }
 
     /// Removes every instance whose lease ran out before `now_ms`; returns how many.
     pub fn expire_leases(&self, now_ms: i64) -> Result<usize, StoreError> {
         let _guard = self.lock();
-        let expired: Vec<_> = self
-            .all_instances()?
-            .into_iter()
-            .filter(|i| i.lease_expires_unix_ms < now_ms)
-            .collect();
-        let n = expired.len();
-        if n > 0 {
-            self.remove_instances(expired)?;
-        }
-        Ok(n)
+        self.mutate(|| {
+            let expired: Vec<_> = self
+                .all_instances()?
+                .into_iter()
+                .filter(|i| i.lease_expires_unix_ms < now_ms)
+                .collect();
+            let n = expired.len();
+            if n > 0 {
+                self.remove_instances(expired)?;
+            }
+            Ok(n)
+        })
     }
 
     /// With the write lock held: deletes instances and re-stamps their endpoints, one version.
@@ -783,9 +918,8 @@ impl Store {
 }
 
 impl Store {
-    /// Flushes sled to disk (each change already does; this is for shutdown).
+    /// Flushes to disk (each change already does; this is for shutdown).
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.db.flush()?;
-        Ok(())
+        self.backend.flush()
     }
 }
