@@ -21,7 +21,7 @@ pub const DEFAULT_CONTROL_PLANE: &str = "http://127.0.0.1:7070";
                   messages go to stderr."
 )]
 pub struct Cli {
-    /// Control-plane gRPC URL.
+    /// Control-plane gRPC URL; several, comma-separated (replicas), are tried in order.
     #[arg(long, global = true, value_name = "URL", env = "PREFIX_ROUTER_CONTROL_PLANE", default_value = DEFAULT_CONTROL_PLANE)]
     pub control_plane: String,
 

@@ -12,7 +12,8 @@ pub struct Config {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: String,
 
-    /// Control-plane gRPC URL to watch routing tables from.
+    /// Control-plane gRPC URL to watch routing tables from; several, comma-separated, are tried in
+    /// order, moving to the next when a stream breaks (control-plane replicas on one etcd).
     #[arg(long, default_value = "http://127.0.0.1:7070")]
     pub control_plane: String,
 

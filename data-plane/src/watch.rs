@@ -111,17 +111,38 @@ impl ControlPlaneCredentials {
     }
 }
 
-/// Runs until dropped (aborted with the server).
+/// The control planes of `--control-plane` (comma-separated), in order.
+pub(crate) fn control_planes(list: &str) -> Vec<String> {
+    let urls: Vec<String> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_string)
+        .collect();
+    if urls.is_empty() {
+        vec![list.to_string()]
+    } else {
+        urls
+    }
+}
+
+/// Runs until dropped (aborted with the server). With several control planes, a stream that
+/// breaks or cannot be opened moves the watch to the next one (in order, wrapping around), after
+/// the usual backoff; the first request there carries the version this router holds, so an
+/// up-to-date replica sends nothing again.
 pub(crate) async fn run(
     router: Arc<Router>,
-    url: String,
+    urls: String,
     node_id: String,
     cache: Option<PathBuf>,
     credentials: ControlPlaneCredentials,
 ) {
+    let urls = control_planes(&urls);
+    let mut current = 0;
     let mut backoff = Backoff::new(BACKOFF_BASE, BACKOFF_MAX);
     let mut failures = 0u32;
     loop {
+        let url = &urls[current];
         let result = watch_once(
             &router,
             &url,
@@ -150,6 +171,10 @@ pub(crate) async fn run(
                     tracing::debug!(control_plane = %url, failures, "routing-table watch: {e}");
                 }
             }
+        }
+        if urls.len() > 1 {
+            current = (current + 1) % urls.len();
+            tracing::info!(control_plane = %urls[current], "routing-table watch moves to the next control plane");
         }
         tokio::time::sleep(backoff.next_delay()).await;
     }
@@ -326,6 +351,15 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_plane_lists() {
+        assert_eq!(control_planes("http://a:1"), ["http://a:1"]);
+        assert_eq!(
+            control_planes("http://a:1, http://b:2,,http://c:3"),
+            ["http://a:1", "http://b:2", "http://c:3"]
+        );
+    }
 
     #[test]
     fn backoff_doubles_with_jitter_and_resets() {

@@ -348,11 +348,38 @@ impl Client {
     }
 
     /// Connects to `url` (`http://host:port`; a bare `host:port` means `http://host:port`).
+    /// Several URLs, comma-separated (control-plane replicas), are tried in order; the first that
+    /// connects is used.
     pub async fn connect_with(
         url: impl Into<String>,
         options: ClientOptions,
     ) -> Result<Self, Error> {
         let given: String = url.into();
+        let urls: Vec<&str> = given
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        if urls.len() > 1 {
+            let mut causes = Vec::with_capacity(urls.len());
+            for url in urls {
+                match Self::connect_one(url.to_string(), options.clone()).await {
+                    Ok(c) => return Ok(c),
+                    Err(Error::Unreachable { url, cause }) => {
+                        causes.push(format!("{url}: {cause}"))
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            return Err(Error::Unreachable {
+                url: given.clone(),
+                cause: causes.join("; "),
+            });
+        }
+        Self::connect_one(given, options).await
+    }
+
+    async fn connect_one(given: String, options: ClientOptions) -> Result<Self, Error> {
         let url = normalize_url(&given);
         let endpoint = endpoint(&given, &url, &options.tls, options.connect_timeout)?;
         let channel = endpoint.connect().await.map_err(|e| Error::Unreachable {
@@ -723,7 +750,10 @@ fn status_to_error(url: &str, status: Status) -> Error {
             cause: format!("{}{}", error_chain(source), plaintext_hint(url)),
         };
     }
-    let hint = if matches!(status.code(), Code::Cancelled | Code::Unknown | Code::Internal) {
+    let hint = if matches!(
+        status.code(),
+        Code::Cancelled | Code::Unknown | Code::Internal
+    ) {
         plaintext_hint(url)
     } else {
         ""
