@@ -1,0 +1,420 @@
+//! The soak: 2 data planes, 7 engine-sims, mixed chat traffic (streaming and not, a skewed key
+//! popularity) while an instance is added and one removed, the strategy is switched twice and one
+//! engine is killed and restarted. Every request is accounted for: the client's outcomes (an
+//! answer or a contract error, never a hang or a cut that looks whole) match the routers'
+//! `prefix_router_requests_total`, status by status. The RSS and open file descriptors of every
+//! process are sampled every second and their slopes after warm-up reported; no process logs an
+//! ERROR line.
+//!
+//! `cargo test -p integration-tests --test soak` runs a short version (8,000 requests, about 10 s);
+//! `cargo test -p integration-tests --test soak -- --ignored --nocapture` the long one (100,000).
+
+mod fleet;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fleet::{tally, Engine, Fleet, Kind, Load, Outcome, Req, Spec, ENDPOINT};
+use integration_tests::{variant, wait_for};
+use proto::RoutingStrategy;
+
+/// One process's samples: (seconds since the start, RSS in KiB, open fds).
+#[derive(Default, Clone)]
+struct Samples(Vec<(f64, f64, f64)>);
+
+impl Samples {
+    /// Least-squares slope of RSS (KiB per minute) and fds (per minute) over the samples after
+    /// the first quarter (warm-up), and the last RSS.
+    fn slopes(&self) -> (f64, f64, f64) {
+        let s = &self.0[self.0.len() / 4..];
+        let slope = |f: &dyn Fn(&(f64, f64, f64)) -> f64| {
+            let n = s.len() as f64;
+            if n < 2.0 {
+                return 0.0;
+            }
+            let mx = s.iter().map(|p| p.0).sum::<f64>() / n;
+            let my = s.iter().map(f).sum::<f64>() / n;
+            let cov: f64 = s.iter().map(|p| (p.0 - mx) * (f(p) - my)).sum();
+            let var: f64 = s.iter().map(|p| (p.0 - mx).powi(2)).sum();
+            if var == 0.0 {
+                0.0
+            } else {
+                cov / var * 60.0
+            }
+        };
+        let last = self.0.last().map_or(0.0, |p| p.1);
+        (slope(&|p| p.1), slope(&|p| p.2), last)
+    }
+}
+
+fn rss_and_fds(pid: u32) -> Option<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as f64;
+    Some((rss, fds))
+}
+
+/// Samples every process of the fleet every second, by name and pid.
+fn sample_every_second(
+    pids: Arc<Mutex<Vec<(String, u32)>>>,
+    started: Instant,
+) -> (
+    Arc<Mutex<BTreeMap<String, Samples>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let samples: Arc<Mutex<BTreeMap<String, Samples>>> = Arc::default();
+    let out = Arc::clone(&samples);
+    let task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let now = started.elapsed().as_secs_f64();
+            let list = pids.lock().unwrap().clone();
+            for (name, pid) in list {
+                if let Some((rss, fds)) = rss_and_fds(pid) {
+                    let key = format!("{name} (pid {pid})");
+                    out.lock()
+                        .unwrap()
+                        .entry(key)
+                        .or_default()
+                        .0
+                        .push((now, rss, fds));
+                }
+            }
+        }
+    });
+    (samples, task)
+}
+
+/// Every `prefix_router_requests_total` series of a scrape, by its labels.
+fn request_series(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("prefix_router_requests_total{"))
+        .filter_map(|l| {
+            let (labels, value) = l.rsplit_once("} ")?;
+            Some((labels.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Requests by status label between two scrapes (series that appear count from 0).
+fn delta_by_status(
+    start: &BTreeMap<String, f64>,
+    end: &BTreeMap<String, f64>,
+) -> BTreeMap<String, f64> {
+    let mut by_status = BTreeMap::new();
+    for (labels, v) in end {
+        let d = v - start.get(labels).copied().unwrap_or(0.0);
+        let status = labels
+            .split("status=\"")
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+            .unwrap_or("?")
+            .to_string();
+        *by_status.entry(status).or_insert(0.0) += d;
+    }
+    by_status.retain(|_, v| *v != 0.0);
+    by_status
+}
+
+/// The client's side: requests by the status the router answered with.
+fn client_by_status(outcomes: &[Outcome]) -> BTreeMap<String, f64> {
+    let mut by_status = BTreeMap::new();
+    for o in outcomes {
+        let status = match &o.kind {
+            Kind::Ok | Kind::StreamError(_) => 200,
+            Kind::Error(s, _) => *s,
+            other => panic!("not accountable: {other:?} in {o:?}"),
+        };
+        *by_status.entry(status.to_string()).or_insert(0.0) += 1.0;
+    }
+    by_status
+}
+
+/// Every router's request series, prefixed by the router.
+async fn scrape(fleet: &Fleet) -> BTreeMap<String, f64> {
+    let mut all = BTreeMap::new();
+    for i in 0..fleet.routers.len() {
+        for (k, v) in request_series(&fleet.metrics(i).await) {
+            all.insert(format!("router{i}:{k}"), v);
+        }
+    }
+    all
+}
+
+/// Waits until every router serves the control plane's current table.
+async fn converge(fleet: &Fleet) {
+    let want = fleet.current_version().await;
+    for i in 0..fleet.routers.len() {
+        wait_for(
+            "routers to apply the table",
+            Duration::from_secs(20),
+            || async { (fleet.router_version(i).await == want).then_some(()) },
+        )
+        .await;
+    }
+}
+
+/// Skewed popularity: a few hot prompts, a long tail, streaming and not, varied lengths.
+fn plan() -> fleet::Plan {
+    Arc::new(|n| {
+        let x = (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11) as f64 / (1u64 << 53) as f64;
+        Req {
+            key: (x * x * x * 500.0) as u64,
+            stream: n % 2 == 0,
+            max_tokens: 1 + (n % 48) as u32,
+        }
+    })
+}
+
+async fn soak(total: u64) {
+    let mut fleet = Fleet::start(Spec {
+        engines: 7,
+        routers: 2,
+        strategy: RoutingStrategy::PrefixAware,
+        // ttft 1.2 ms, 0.5 ms per token
+        engine_args: vec!["--time-scale", "0.02"],
+        router_args: fleet::args(&["--workers", "1"]),
+    })
+    .await;
+    // The 7th engine joins later: the table starts with the first 6.
+    let six: Vec<String> = fleet.engines[..6].iter().map(Engine::url).collect();
+    let six: Vec<&str> = six.iter().map(String::as_str).collect();
+    fleet
+        .sdk
+        .update_endpoint_config(
+            ENDPOINT,
+            vec![variant("v1", RoutingStrategy::PrefixAware, &six)],
+            None,
+        )
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let pids = Arc::new(Mutex::new(Vec::new()));
+    {
+        let mut p = pids.lock().unwrap();
+        p.push(("control-plane".to_string(), fleet.cp.child.id()));
+        for (i, r) in fleet.routers.iter().enumerate() {
+            p.push((format!("data-plane {i}"), r.child.id()));
+        }
+        for (i, e) in fleet.engines.iter().enumerate() {
+            p.push((format!("engine-sim {i}"), e.server.child.id()));
+        }
+    }
+    let (samples, sampler) = sample_every_second(Arc::clone(&pids), started);
+    let routers: Vec<String> = (0..2).map(|i| fleet.router_url(i)).collect();
+    converge(&fleet).await;
+
+    let phase = total / 5;
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    let mut router_side = BTreeMap::<String, f64>::new();
+    let mut events = Vec::new();
+    for p in 0..5u64 {
+        let before = scrape(&fleet).await;
+        let load = Load::start(
+            fleet.http.clone(),
+            routers.clone(),
+            16,
+            Some(phase),
+            false,
+            plan(),
+        );
+        let at = |fraction: f64| {
+            let load = &load;
+            async move {
+                let n = (phase as f64 * fraction) as usize;
+                wait_for("load progress", Duration::from_secs(600), || async {
+                    (load.completed() >= n).then_some(())
+                })
+                .await;
+            }
+        };
+        match p {
+            1 => {
+                at(0.2).await;
+                let seven: Vec<String> = fleet.engines.iter().map(Engine::url).collect();
+                let seven: Vec<&str> = seven.iter().map(String::as_str).collect();
+                fleet
+                    .sdk
+                    .update_endpoint_config(
+                        ENDPOINT,
+                        vec![variant("v1", RoutingStrategy::PrefixAware, &seven)],
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                events.push(format!(
+                    "{:.0?}: instance {} added",
+                    started.elapsed(),
+                    seven[6]
+                ));
+                at(0.6).await;
+                fleet
+                    .sdk
+                    .set_variant_routing_strategy(
+                        ENDPOINT,
+                        "v1",
+                        RoutingStrategy::LeastOutstandingRequests,
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                events.push(format!(
+                    "{:.0?}: strategy -> LEAST_OUTSTANDING_REQUESTS",
+                    started.elapsed()
+                ));
+            }
+            2 => {
+                at(0.2).await;
+                fleet.engines[2].kill();
+                events.push(format!("{:.0?}: engine 2 SIGKILLed", started.elapsed()));
+                at(0.6).await;
+                fleet.engines[2].restart();
+                pids.lock().unwrap().push((
+                    "engine-sim 2 (restarted)".into(),
+                    fleet.engines[2].server.child.id(),
+                ));
+                events.push(format!("{:.0?}: engine 2 restarted", started.elapsed()));
+            }
+            3 => {
+                at(0.2).await;
+                fleet
+                    .sdk
+                    .set_variant_routing_strategy(
+                        ENDPOINT,
+                        "v1",
+                        RoutingStrategy::PrefixAware,
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                events.push(format!(
+                    "{:.0?}: strategy -> PREFIX_AWARE",
+                    started.elapsed()
+                ));
+            }
+            _ => {}
+        }
+        let mut done = load.stop_after_limit().await;
+        let after = scrape(&fleet).await;
+        for (status, n) in delta_by_status(&before, &after) {
+            *router_side.entry(status).or_insert(0.0) += n;
+        }
+        outcomes.append(&mut done);
+        if p == 2 {
+            // Between phases, with nothing in flight (its counters leave /metrics with it):
+            // engine 5 is removed from the config.
+            let five: Vec<String> = fleet
+                .engines
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != 5)
+                .map(|(_, e)| e.url())
+                .collect();
+            let five: Vec<&str> = five.iter().map(String::as_str).collect();
+            fleet
+                .sdk
+                .update_endpoint_config(
+                    ENDPOINT,
+                    vec![variant(
+                        "v1",
+                        RoutingStrategy::LeastOutstandingRequests,
+                        &five,
+                    )],
+                    None,
+                )
+                .await
+                .unwrap();
+            converge(&fleet).await;
+            events.push(format!(
+                "{:.0?}: instance {} removed",
+                started.elapsed(),
+                fleet.engines[5].url()
+            ));
+        }
+    }
+    sampler.abort();
+    let elapsed = started.elapsed();
+
+    // Every request accounted for.
+    assert_eq!(outcomes.len() as u64, phase * 5);
+    let broken: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind.is_broken()).collect();
+    assert!(
+        broken.is_empty(),
+        "{} broken: {:?}",
+        broken.len(),
+        &broken[..broken.len().min(5)]
+    );
+    let client_side = client_by_status(&outcomes);
+    assert_eq!(
+        client_side, router_side,
+        "client outcomes vs the routers' /metrics, by status"
+    );
+    // Errors only where a fault was injected (the engine kill).
+    let errors: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind != Kind::Ok).collect();
+    assert!(errors.len() <= 64, "{}", tally(&outcomes));
+    // Nothing logged at ERROR.
+    let mut error_lines = Vec::new();
+    for s in std::iter::once(&fleet.cp)
+        .chain(fleet.routers.iter())
+        .chain(fleet.engines.iter().map(|e| &e.server))
+    {
+        let logs = s.logs.lock().unwrap().clone();
+        error_lines.extend(
+            logs.lines()
+                .filter(|l| l.contains("ERROR"))
+                .map(String::from),
+        );
+    }
+    assert!(error_lines.is_empty(), "{error_lines:#?}");
+
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind == Kind::Ok).collect();
+    println!(
+        "SOAK {} requests in {:.0?} ({:.0} rps) over 2 routers and 7 engines | {} | client by status {:?} = routers' /metrics {:?} | p50 {:?} p99 {:?}",
+        outcomes.len(),
+        elapsed,
+        outcomes.len() as f64 / elapsed.as_secs_f64(),
+        tally(&outcomes),
+        client_side,
+        router_side,
+        fleet::quantile(&ok, 0.5),
+        fleet::quantile(&ok, 0.99),
+    );
+    for e in &events {
+        println!("SOAK event {e}");
+    }
+    for (name, s) in samples.lock().unwrap().iter() {
+        let (rss_slope, fd_slope, last) = s.slopes();
+        println!(
+            "SOAK {name}: {} samples, RSS {:.1} MiB at the end, slope {:+.1} KiB/min after warm-up, fds slope {:+.2}/min (last {})",
+            s.0.len(),
+            last / 1024.0,
+            rss_slope,
+            fd_slope,
+            s.0.last().map_or(0.0, |p| p.2),
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_short() {
+    tokio::time::timeout(Duration::from_secs(240), soak(8_000))
+        .await
+        .expect("the short soak finishes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 100,000 requests; run with -- --ignored"]
+async fn soak_long() {
+    tokio::time::timeout(Duration::from_secs(3600), soak(100_000))
+        .await
+        .expect("the soak finishes within an hour");
+}
