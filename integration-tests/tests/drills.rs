@@ -66,11 +66,12 @@ async fn engine_killed_while_streaming() {
             max_tokens: 600,
         });
         let load = Load::start(fleet.http.clone(), vec![fleet.router_url(0)], 8, None, false, plan);
-        // Kill once streams are open on the victim.
-        wait_for("streams open on the victim", Duration::from_secs(20), || async {
+        // Kill once a first round of streams has finished (the no-fault figures) and streams are
+        // open on the victim.
+        wait_for("streams open on the victim", Duration::from_secs(30), || async {
             let m = fleet.metrics(0).await;
-            (metric(&m, "prefix_router_instance_in_flight", &[("instance", &victim_url)]) >= 1.0)
-                .then_some(())
+            let open = metric(&m, "prefix_router_instance_in_flight", &[("instance", &victim_url)]);
+            (load.completed() >= 8 && open >= 1.0).then_some(())
         })
         .await;
         let killed_at = load.started.elapsed();
@@ -122,10 +123,20 @@ async fn engine_killed_while_streaming() {
                 assert_eq!(now, was, "key {key} was not on the dead engine and must not move");
             }
         }
-        let unaffected: Vec<&Outcome> =
-            outcomes.iter().filter(|o| o.kind == Kind::Ok).collect();
+        // Streams on the other engines: finished before the kill (no fault) vs started after.
+        let other = |o: &&Outcome| o.kind == Kind::Ok && before[&o.req.key] != victim_url;
+        let no_fault: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(other)
+            .filter(|o| o.started + o.latency < killed_at)
+            .collect();
+        let unaffected: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(other)
+            .filter(|o| o.started > killed_at)
+            .collect();
         println!(
-            "DRILL 1 engine SIGKILLed while streaming | outcomes: {} | open on the victim at the kill: {} ({}) | failed after the kill: {} | lost/unaccounted: 0 | last failure {:?} after the kill | keys moved {moved}/{KEYS}, others moved 0 | ok p50 {:?} p99 {:?}",
+            "DRILL 1 engine SIGKILLed while streaming | outcomes: {} | open on the victim at the kill: {} ({}) | failed after the kill: {} | lost/unaccounted: 0 | last failure {:?} after the kill | keys moved {moved}/{KEYS}, others moved 0 | other engines' 3 s streams after the kill p50 {:?} p99 {:?} vs before p50 {:?} p99 {:?}",
             tally(&outcomes),
             on_victim_at_kill.len(),
             tally(&on_victim_at_kill.iter().map(|o| (*o).clone()).collect::<Vec<_>>()),
@@ -133,6 +144,8 @@ async fn engine_killed_while_streaming() {
             recovered,
             quantile(&unaffected, 0.5),
             quantile(&unaffected, 0.99),
+            quantile(&no_fault, 0.5),
+            quantile(&no_fault, 0.99),
         );
     })
     .await
@@ -326,7 +339,18 @@ async fn engine_that_answers_garbage() {
             stream: n % 2 == 0,
             max_tokens: 8,
         });
-        let mut rows = Vec::new();
+        // Requests for keys of the other engines, without a fault, then during each one.
+        let others_p99 = |v: &[Outcome]| {
+            let others: Vec<&Outcome> = v
+                .iter()
+                .filter(|o| o.kind == Kind::Ok && before[&o.req.key] != victim_url)
+                .collect();
+            quantile(&others, 0.99)
+        };
+        let baseline = run_load(&fleet, 4, 200, Arc::clone(&plan)).await;
+        assert!(baseline.iter().all(|o| o.kind == Kind::Ok), "{}", tally(&baseline));
+        let p99_base = others_p99(&baseline);
+        let mut rows = vec![format!("no fault: other engines' p99 {p99_base:.1?}")];
         for mode in [
             Garbage::Invalid,
             Garbage::ServerError,
@@ -426,10 +450,11 @@ async fn engine_that_answers_garbage() {
                 );
             }
             rows.push(format!(
-                "{mode:?}: {} (ejected {:.1?} after the fault began, back {:.1?} after recovery)",
+                "{mode:?}: {} (ejected {:.1?} after the fault began, back {:.1?} after recovery; other engines' p99 {:.1?})",
                 tally(&outcomes),
                 ejected_after,
-                recovered
+                recovered,
+                others_p99(&outcomes),
             ));
         }
         println!(
