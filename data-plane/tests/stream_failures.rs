@@ -1,0 +1,172 @@
+//! A response that fails after its head: an event stream ends with an SSE error event (never a
+//! cut that looks whole), a JSON body is cut (the client's read fails), and either counts
+//! against the instance's passive health.
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use data_plane::Config;
+use support::*;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+/// A model server that answers each request with `head` and `first` (one chunk of a chunked
+/// body), then either closes the connection mid-body or holds it open forever.
+async fn breaking_server(content_type: &'static str, first: &'static str, close: bool) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 << 10];
+                let mut seen = Vec::new();
+                // the request: its head and a body of content-length bytes
+                loop {
+                    let n = match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    seen.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&seen).to_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let len: usize = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if seen.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{first}\r\n",
+                    first.len()
+                );
+                if s.write_all(reply.as_bytes()).await.is_err() || close {
+                    return;
+                }
+                let _ = s.read(&mut buf).await; // held until the router gives up
+            });
+        }
+    });
+    url
+}
+
+async fn router_over(url: &str, timeout_ms: u64) -> (MockControlPlane, RouterHandle) {
+    let cp = MockControlPlane::start().await;
+    cp.push(simple_table(1, prefix_aware(256, 64), &[url]));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        node_id: Some("r".into()),
+        request_timeout_ms: timeout_ms,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    (cp, router)
+}
+
+/// The body as far as it came, and whether it ended cleanly.
+async fn read_all(url: &str, body: &str) -> (u16, String, bool) {
+    use http_body_util::BodyExt as _;
+    let resp = tokio::time::timeout(
+        WAIT,
+        client().request(post_request(url, &[], body.to_string())),
+    )
+    .await
+    .expect("a head in time")
+    .expect("a head");
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut bytes = Vec::new();
+    loop {
+        match tokio::time::timeout(WAIT, body.frame())
+            .await
+            .expect("the body ends in time")
+        {
+            None => return (status, String::from_utf8_lossy(&bytes).into_owned(), true),
+            Some(Ok(f)) => bytes.extend_from_slice(f.data_ref().unwrap_or(&Bytes::new())),
+            Some(Err(_)) => return (status, String::from_utf8_lossy(&bytes).into_owned(), false),
+        }
+    }
+}
+
+const STREAM: &str = r#"{"model":"e","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+
+#[tokio::test]
+async fn an_event_stream_cut_by_the_instance_ends_with_an_error_event_and_counts_against_it() {
+    let url = breaking_server("text/event-stream", "data: {\"n\":0}\n\n", true).await;
+    let (_cp, router) = router_over(&url, 30_000).await;
+    let chat = router.url("/v1/chat/completions");
+    for _ in 0..3 {
+        let (status, text, clean) = read_all(&chat, STREAM).await;
+        assert_eq!(status, 200);
+        assert!(clean, "the stream ends with its error event: {text}");
+        let (first, error) = text.split_once("\n\n").unwrap();
+        assert_eq!(first, "data: {\"n\":0}");
+        let event: serde_json::Value =
+            serde_json::from_str(error.trim().strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(event["error"]["type"], "upstream_error", "{text}");
+        assert!(!text.contains("[DONE]"));
+    }
+    // three broken bodies in a row: ejected, and it shows
+    let m = router.metrics().await;
+    assert!(m.contains("prefix_router_ejections_total 1\n"), "{m}");
+    assert!(
+        m.contains(&format!("prefix_router_instance_ejected{{endpoint=\"e\",variant=\"v1\",instance=\"{url}\"}} 1\n")),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_cut_inside_an_event_closes_it_before_the_error_event() {
+    let url = breaking_server("text/event-stream", "data: {\"n\":0}\n\ndata: {\"n\"", true).await;
+    let (_cp, router) = router_over(&url, 30_000).await;
+    let (_, text, clean) = read_all(&router.url("/v1/chat/completions"), STREAM).await;
+    assert!(clean);
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .collect();
+    assert_eq!(events.len(), 3, "{text:?}");
+    assert!(events[2].trim().starts_with("data: {\"error\""), "{text:?}");
+}
+
+#[tokio::test]
+async fn a_stream_that_stalls_ends_at_the_deadline_with_a_timeout_event() {
+    let url = breaking_server("text/event-stream", "data: {\"n\":0}\n\n", false).await;
+    let (_cp, router) = router_over(&url, 500).await;
+    let started = std::time::Instant::now();
+    let (status, text, clean) = read_all(&router.url("/v1/chat/completions"), STREAM).await;
+    assert_eq!(status, 200);
+    assert!(clean, "{text}");
+    assert!(text.contains(r#""type":"timeout_error""#), "{text}");
+    assert!(started.elapsed() >= Duration::from_millis(450));
+    // the request's own deadline is not the instance's failure
+    let m = router.metrics().await;
+    assert!(m.contains("prefix_router_ejections_total 0\n"), "{m}");
+}
+
+#[tokio::test]
+async fn a_json_body_cut_after_its_head_fails_the_clients_read() {
+    let url = breaking_server("application/json", "{\"id\":\"x\",\"choi", true).await;
+    let (_cp, router) = router_over(&url, 30_000).await;
+    let body = r#"{"model":"e","messages":[{"role":"user","content":"hi"}]}"#;
+    let req = post_request(&router.url("/v1/chat/completions"), &[], body);
+    // Cut after the head: no JSON error can follow, so the client's read fails (before or
+    // after it has the head), never a body that ends as if whole.
+    let result = tokio::time::timeout(WAIT, async {
+        use http_body_util::BodyExt as _;
+        let resp = client().request(req).await.map_err(|e| e.to_string())?;
+        resp.into_body()
+            .collect()
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .expect("an answer in time");
+    assert!(result.is_err(), "a cut JSON body must not end cleanly");
+}
