@@ -45,10 +45,15 @@ pub const X_VARIANT: HeaderName = HeaderName::from_static("x-prefix-router-varia
 pub const X_TABLE_VERSION: HeaderName = HeaderName::from_static("x-prefix-router-table-version");
 pub const X_DECISION: HeaderName = HeaderName::from_static("x-prefix-router-decision");
 
+/// How long a request that arrives before the router's first table waits for it.
+pub(crate) const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
+
 /// Shared router state: the current table, placement policy, metrics. (Upstream connections are
 /// kept per instance, in its state: see [`upstream`].)
 pub(crate) struct Router {
     pub(crate) table: ArcSwapOption<RoutingTable>,
+    /// Notified whenever a table is stored (requests that came before the first one wait).
+    pub(crate) table_applied: tokio::sync::Notify,
     pub(crate) placement: Placement,
     pub(crate) metrics: Metrics,
     pub(crate) access: Access,
@@ -67,6 +72,7 @@ impl Router {
     ) -> Self {
         Router {
             table: ArcSwapOption::empty(),
+            table_applied: tokio::sync::Notify::new(),
             placement: Placement::new(
                 config.prefix_index_capacity,
                 config.hash_balance_factor,
@@ -242,6 +248,25 @@ impl Router {
         response
     }
 
+    /// A router that has just started (with no `--table-cache`) holds a request until its first
+    /// table arrives, which the control plane sends within milliseconds of the watch opening,
+    /// rather than failing every request of that moment: up to [`FIRST_TABLE_WAIT`] or the
+    /// request's deadline. `None`: still no table.
+    async fn first_table(&self, deadline: Pin<&mut Sleep>) -> Option<Arc<RoutingTable>> {
+        let applied = self.table_applied.notified();
+        tokio::pin!(applied);
+        applied.as_mut().enable(); // registered before the check: a store in between wakes it
+        if let Some(table) = self.table.load_full() {
+            return Some(table);
+        }
+        tokio::select! {
+            () = applied => {}
+            () = deadline => {}
+            () = tokio::time::sleep(FIRST_TABLE_WAIT) => {}
+        }
+        self.table.load_full()
+    }
+
     async fn route_and_forward(
         &self,
         req: Request<Incoming>,
@@ -253,7 +278,11 @@ impl Router {
         // One timer for the whole request (body read, upstream call, response stream): one
         // registration with the runtime's timer wheel instead of one per phase.
         let mut deadline = Box::pin(tokio::time::sleep(self.request_timeout));
-        let Some(table) = self.table.load_full() else {
+        let table = match self.table.load_full() {
+            Some(table) => Some(table),
+            None => self.first_table(deadline.as_mut()).await,
+        };
+        let Some(table) = table else {
             return self.unrouted(
                 None,
                 503,

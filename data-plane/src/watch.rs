@@ -312,6 +312,7 @@ fn store(router: &Router, table: RoutingTable) {
     router.metrics.table_version.store(table.version(), Relaxed);
     router.metrics.tables_applied.fetch_add(1, Relaxed);
     router.table.store(Some(Arc::new(table)));
+    router.table_applied.notify_waiters();
 }
 
 /// Loads `--table-cache` at start, so the router serves before the control plane answers.
