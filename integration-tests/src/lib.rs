@@ -285,3 +285,117 @@ pub fn python_modules(modules: &[&str]) -> Result<(), String> {
         Ok(_) => Ok(()),
     }
 }
+
+/// Checks of deployment files (docker-compose.yml, deploy/kubernetes) against the binaries: the
+/// flags their `--help` lists, the ports their listen flags name.
+pub mod deploy {
+    use std::path::PathBuf;
+    use std::process::Command;
+
+    use super::bin;
+
+    /// Our binaries, as the image ships them (the Dockerfile copies each into /usr/local/bin).
+    pub const BINARIES: [&str; 4] = ["control-plane", "data-plane", "engine-sim", "prefixctl"];
+
+    /// Read by the OpenTelemetry SDK itself (see `telemetry`), so not in any `--help`.
+    pub const SDK_ENV: [&str; 4] = [
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+    ];
+
+    /// A file of the repository, by its path from the top.
+    pub fn repo_file(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(name)
+    }
+
+    /// `bin [subcommand...] --help` of a built binary (target/debug).
+    pub fn help(binary: &str, subcommand: &[&str]) -> String {
+        let out = Command::new(bin(binary))
+            .args(subcommand)
+            .arg("--help")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{binary} {subcommand:?} --help failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Whether a `--help` text lists `flag` (as `--flag <VALUE>`, `--flag` alone on its line, ...).
+    pub fn help_has_flag(help: &str, flag: &str) -> bool {
+        flag.starts_with('-')
+            && help.lines().any(|line| {
+                let line = line.trim_start();
+                line.strip_prefix(flag)
+                    .or_else(|| {
+                        line.split_once(", ")
+                            .and_then(|(_, l)| l.strip_prefix(flag))
+                    })
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '=']))
+            })
+    }
+
+    /// Whether a `--help` text says the binary reads environment variable `var` (clap's
+    /// `[env: VAR=]`).
+    pub fn help_has_env(help: &str, var: &str) -> bool {
+        help.contains(&format!("[env: {var}=")) || help.contains(&format!("[env: {var}]"))
+    }
+
+    /// Every `--flag` in `args` (a `--flag=value` counts as `--flag`).
+    pub fn flags(args: &[String]) -> Vec<&str> {
+        args.iter()
+            .filter(|a| a.starts_with("--"))
+            .map(|a| a.split('=').next().unwrap())
+            .collect()
+    }
+
+    /// The value of `flag` in `args`: the word after it, or what follows `--flag=`.
+    pub fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+        args.iter().enumerate().find_map(|(i, a)| {
+            if a == flag {
+                args.get(i + 1).map(String::as_str)
+            } else {
+                a.strip_prefix(flag).and_then(|rest| rest.strip_prefix('='))
+            }
+        })
+    }
+
+    /// The port of `HOST:PORT` or `scheme://HOST:PORT[/path]`.
+    pub fn port_of(addr: &str) -> u16 {
+        addr.rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .unwrap_or_else(|| panic!("no port in {addr:?}"))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn help_flags_and_values() {
+            let help = "Options:\n      --listen <LISTEN>\n          Address\n  -h, --help\n      --insecure\n  --name 'default'\n";
+            for flag in ["--listen", "--help", "--insecure", "--name"] {
+                assert!(help_has_flag(help, flag), "{flag}");
+            }
+            for flag in ["--list", "--listen-x", "--insec", "Address"] {
+                assert!(!help_has_flag(help, flag), "{flag}");
+            }
+            let args: Vec<String> = ["--a", "1", "--b=2", "x", "--c"].map(String::from).to_vec();
+            assert_eq!(flags(&args), ["--a", "--b", "--c"]);
+            assert_eq!(flag_value(&args, "--a"), Some("1"));
+            assert_eq!(flag_value(&args, "--b"), Some("2"));
+            assert_eq!(flag_value(&args, "--c"), None);
+            assert_eq!(flag_value(&args, "--d"), None);
+            assert_eq!(port_of("0.0.0.0:7070"), 7070);
+            assert_eq!(port_of("http://etcd-0.etcd:2379"), 2379);
+        }
+    }
+}

@@ -5,27 +5,14 @@
 //! listens on. Needs the built binaries (`cargo build --workspace --bins`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
-use std::process::Command;
 
-use integration_tests::bin;
+use integration_tests::deploy::{
+    flag_value, flags, help, help_has_env, help_has_flag, port_of, repo_file, BINARIES, SDK_ENV,
+};
+use manifests::strings;
 use serde_yaml_ng::Value;
 
-/// Our binaries, as the image ships them.
-const BINARIES: [&str; 4] = ["control-plane", "data-plane", "engine-sim", "prefixctl"];
-/// Read by the OpenTelemetry SDK itself (see `telemetry`), so not in any `--help`.
-const SDK_ENV: [&str; 4] = [
-    "OTEL_SERVICE_NAME",
-    "OTEL_RESOURCE_ATTRIBUTES",
-    "OTEL_TRACES_SAMPLER",
-    "OTEL_TRACES_SAMPLER_ARG",
-];
-
-fn repo_file(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(name)
-}
+mod manifests;
 
 fn compose() -> Value {
     let text = std::fs::read_to_string(repo_file("docker-compose.yml"))
@@ -33,57 +20,6 @@ fn compose() -> Value {
     let mut doc: Value = serde_yaml_ng::from_str(&text).expect("docker-compose.yml is YAML");
     doc.apply_merge().expect("merge keys resolve");
     doc
-}
-
-/// `bin [subcommand...] --help`, run from target/debug.
-fn help(binary: &str, subcommand: &[&str]) -> String {
-    let out = Command::new(bin(binary))
-        .args(subcommand)
-        .arg("--help")
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{binary} {subcommand:?} --help failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn strings(v: &Value) -> Vec<String> {
-    match v {
-        Value::Sequence(items) => items
-            .iter()
-            .map(|i| i.as_str().expect("a string").to_string())
-            .collect(),
-        Value::String(s) => vec![s.clone()],
-        Value::Null => Vec::new(),
-        other => panic!("expected a list of strings, got {other:?}"),
-    }
-}
-
-/// Every `--flag` in `args` (a `--flag=value` counts as `--flag`).
-fn flags(args: &[String]) -> Vec<&str> {
-    args.iter()
-        .filter(|a| a.starts_with("--"))
-        .map(|a| a.split('=').next().unwrap())
-        .collect()
-}
-
-/// The value after `flag` in `args`.
-fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
-}
-
-fn port_of(addr: &str) -> u16 {
-    addr.rsplit(':')
-        .next()
-        .and_then(|p| p.trim_end_matches('/').parse().ok())
-        .unwrap_or_else(|| panic!("no port in {addr:?}"))
 }
 
 /// `KEY: value` pairs of a service's `environment` (map or `KEY=value` list).
@@ -178,13 +114,13 @@ fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
             let text = help(binary, &[]);
             for flag in flags(&command) {
                 assert!(
-                    text.contains(&format!("{flag} ")),
+                    help_has_flag(&text, flag),
                     "service {name}: {binary} has no flag {flag}:\n{text}"
                 );
             }
             for var in env.keys() {
                 assert!(
-                    SDK_ENV.contains(&var.as_str()) || text.contains(&format!("[env: {var}=")),
+                    SDK_ENV.contains(&var.as_str()) || help_has_env(&text, var),
                     "service {name}: {binary} reads no environment variable {var}"
                 );
             }
@@ -223,13 +159,13 @@ fn compose_services_use_flags_ports_and_variables_the_binaries_have() {
                 let text = help("prefixctl", &subcommand);
                 for flag in flags(&call) {
                     assert!(
-                        text.contains(&format!("{flag} ")),
+                        help_has_flag(&text, flag),
                         "service {name}: prefixctl {subcommand:?} has no flag {flag}"
                     );
                 }
                 for var in env.keys() {
                     assert!(
-                        SDK_ENV.contains(&var.as_str()) || text.contains(&format!("[env: {var}=")),
+                        SDK_ENV.contains(&var.as_str()) || help_has_env(&text, var),
                         "service {name}: prefixctl reads no environment variable {var}"
                     );
                 }
