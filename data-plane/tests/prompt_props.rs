@@ -323,7 +323,17 @@ proptest! {
         all_keys(noisy.as_bytes());
         // and every prefix of it (a truncated body)
         all_keys(&compact[..cut.index(compact.len() + 1)]);
-        // JSON read as chat or completion is keyed by its text, however it is written
+        // JSON read as chat or completion is keyed by its text, however it is written. (A body
+        // with more than one of `messages`, `prompt` and `input` is no valid request of any API:
+        // it is keyed by whichever comes first, so its member order matters. Found at 10,000
+        // cases: `{"messages":[],"prompt":""}`.)
+        let prompts = ["messages", "prompt", "input"]
+            .iter()
+            .filter(|k| v.get(**k).is_some())
+            .count();
+        if prompts > 1 {
+            return Ok(());
+        }
         let a = prompt_key(BodyKind::OpenAi, &compact, 256, DEFAULT_SEED);
         let b = prompt_key(BodyKind::OpenAi, noisy.as_bytes(), 256, DEFAULT_SEED);
         if a.source != KeySource::Raw && b.source != KeySource::Raw {
