@@ -79,6 +79,20 @@ async fn models_come_from_the_table_and_other_v1_paths_are_proxied() {
             .unwrap()
             > 0
     );
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let events = fleet.post_json("/v1/responses", &streamed).await;
+    assert_eq!(events.status, 200);
+    let events = String::from_utf8_lossy(&events.body);
+    assert!(events.starts_with("event: response.created\n"), "{events}");
+    assert_eq!(
+        events
+            .matches("event: response.output_text.delta\n")
+            .count(),
+        3,
+        "{events}"
+    );
+    assert!(events.contains("event: response.completed\n"), "{events}");
 
     // A /v1 path the engine does not serve is still proxied: the engine's own 404, with the
     // router's headers.
@@ -121,6 +135,13 @@ again = client.responses.create(model="chat", instructions=brief,
 assert again.output_text == r.output_text
 assert again.usage.input_tokens_details.cached_tokens > 0, again.usage
 print("responses.create():", repr(r.output_text), "cached on repeat:", again.usage.input_tokens_details.cached_tokens)
+events = list(client.responses.create(model="chat", instructions=brief, input="What is a KV cache?",
+                                      max_output_tokens=5, stream=True))
+types = [e.type for e in events]
+assert types[0] == "response.created" and types[-1] == "response.completed", types
+deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+assert deltas == r.output_text == events[-1].response.output_text, (deltas, r.output_text)
+print("responses.create(stream=True):", len(events), "events,", types.count("response.output_text.delta"), "deltas")
 print("openai client ok")
 "#;
 
