@@ -4,7 +4,11 @@
 //! container or probe passes is in that binary's `--help`, every container port is one a listen
 //! flag names, probes, Service target ports and Prometheus annotations point at those ports, every
 //! file a flag names is mounted (from a Secret key that exists), every `http://` URL names a
-//! Service port. Needs the built binaries (`cargo build --workspace --bins`).
+//! Service port. Then both installs run here: every pod a process started from its rendered
+//! command line (loopback ports for container ports and Services, folders for volumes, test
+//! tokens for the Secret; etcd members from the `etcd` on PATH), ready by its own readiness probe,
+//! its metrics where its Prometheus annotations say. Needs the built binaries
+//! (`cargo build --workspace --bins`).
 //!
 //! The kustomizations use `resources`, `namespace` and `$patch: delete` patches only; this test
 //! renders them itself (so it needs no kubectl) and, where `kubectl` is installed, checks that
@@ -1226,4 +1230,448 @@ fn tokens_come_from_the_secret_and_the_committed_secret_holds_none() {
         .expect("the placeholder must not start a control plane")
         .to_string();
     assert!(message.contains("holds no secret"), "{message}");
+}
+
+/// Test tokens standing in for the placeholder Secret when the installs run here.
+const TEST_SECRET: [(&str, &str); 2] = [
+    ("tokens", "k8s-test-admin admin\nk8s-test-reader reader\n"),
+    ("reader-token", "k8s-test-reader\n"),
+];
+
+/// One pod of an install, run here as a process: its container ports mapped to loopback ports,
+/// its volumes to folders.
+struct LocalPod {
+    name: String,
+    workload: usize,
+    ports: BTreeMap<u16, u16>,
+    dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl Drop for LocalPod {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The pods of an install on this machine: what a kubelet, kube-proxy and cluster DNS would do,
+/// for the objects the manifests use.
+struct LocalCluster<'a> {
+    workloads: Vec<Workload<'a>>,
+    services: BTreeMap<&'a str, &'a Value>,
+    pods: Vec<LocalPod>,
+    _root: tempfile::TempDir,
+}
+
+impl<'a> LocalCluster<'a> {
+    fn new(objects: &'a [Value]) -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let workloads = workloads(objects);
+        let services = objects
+            .iter()
+            .filter(|o| kind(o) == "Service")
+            .map(|o| (name(o), o))
+            .collect();
+        let mut held = Vec::new();
+        let mut pods = Vec::new();
+        for (index, w) in workloads.iter().enumerate() {
+            for i in 0..w.replicas {
+                let name = format!("{}-{i}", w.name);
+                let mut ports = BTreeMap::new();
+                for port in containers(w.template).iter().flat_map(container_ports) {
+                    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                    ports.insert(port.1, listener.local_addr().unwrap().port());
+                    held.push(listener);
+                }
+                let dir = root.path().join(&name);
+                std::fs::create_dir_all(&dir).unwrap();
+                pods.push(LocalPod {
+                    name,
+                    workload: index,
+                    ports,
+                    dir,
+                    child: None,
+                });
+            }
+        }
+        drop(held);
+        Self {
+            workloads,
+            services,
+            pods,
+            _root: root,
+        }
+    }
+
+    /// The loopback port behind `host:port` as seen from `pod`: itself, a Service, or a member of
+    /// a StatefulSet behind a headless Service.
+    fn resolve(&self, pod: &LocalPod, host: &str, port: u16) -> u16 {
+        if ["0.0.0.0", "127.0.0.1", "localhost"].contains(&host) {
+            return pod.ports[&port];
+        }
+        let (member, service) = match host.split_once('.') {
+            Some((member, service)) => (Some(member), service),
+            None => (None, host),
+        };
+        let svc = self.services[service];
+        let spec_port = svc["spec"]["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["port"].as_u64() == Some(port as u64))
+            .unwrap_or_else(|| panic!("Service {service} has no port {port}"));
+        let target = spec_port.get("targetPort").unwrap_or(&spec_port["port"]);
+        let target_pod = self
+            .pods
+            .iter()
+            .find(|p| {
+                let w = &self.workloads[p.workload];
+                selects(
+                    &svc["spec"]["selector"],
+                    &labels(&w.template["metadata"]["labels"]),
+                ) && member.is_none_or(|m| m == p.name)
+            })
+            .unwrap_or_else(|| panic!("no pod behind {host}"));
+        let w = &self.workloads[target_pod.workload];
+        let ports: BTreeMap<String, u16> = containers(w.template)
+            .iter()
+            .flat_map(container_ports)
+            .collect();
+        target_pod.ports[&resolve_port(target, &ports).unwrap()]
+    }
+
+    /// A command line of `pod` as it would run there: `$(VAR)`s expanded, addresses and URLs
+    /// turned into loopback ports, mounted paths into the pod's folders, our binaries' names into
+    /// their paths.
+    fn localize(&self, pod: &LocalPod, container: &Value, argv: &[String]) -> Vec<String> {
+        let env = self.env(pod, container);
+        let mounts: Vec<(String, String)> = container
+            .get("volumeMounts")
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+            .map(|m| {
+                (
+                    str_at(m, &["mountPath"]).unwrap().to_string(),
+                    str_at(m, &["name"]).unwrap().to_string(),
+                )
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (i, arg) in argv.iter().enumerate() {
+            let mut arg = arg.clone();
+            for (var, value) in &env {
+                arg = arg.replace(&format!("$({var})"), value);
+            }
+            if BINARIES.contains(&arg.as_str()) {
+                arg = integration_tests::bin(&arg).display().to_string();
+            }
+            // URLs, and bare listen addresses.
+            let mut localized = String::new();
+            let mut rest = arg.as_str();
+            while let Some(at) = rest.find("http://") {
+                localized.push_str(&rest[..at + 7]);
+                rest = &rest[at + 7..];
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || "-.:".contains(c)))
+                    .unwrap_or(rest.len());
+                let (host, port) = rest[..end].rsplit_once(':').expect("a port");
+                let local = self.resolve(pod, host, port.parse().unwrap());
+                localized.push_str(&format!("127.0.0.1:{local}"));
+                rest = &rest[end..];
+            }
+            localized.push_str(rest);
+            let mut arg = localized;
+            if let Some(port) = arg.strip_prefix("0.0.0.0:") {
+                arg = format!("127.0.0.1:{}", pod.ports[&port.parse().unwrap()]);
+            }
+            // Paths on volumes (a flag's value, or `--flag=/path`).
+            let flag = if arg.starts_with('/') {
+                i.checked_sub(1).map(|j| argv[j].as_str())
+            } else {
+                arg.split_once("=/").map(|(f, _)| f)
+            };
+            if !flag.is_some_and(|f| NOT_PATHS.contains(&f)) {
+                let (prefix, path) = match arg.split_once("=/") {
+                    Some((f, p)) if f.starts_with("--") => (format!("{f}="), format!("/{p}")),
+                    _ => (String::new(), arg.clone()),
+                };
+                if let Some((mount, volume)) = mounts
+                    .iter()
+                    .filter(|(m, _)| path == *m || path.starts_with(&format!("{m}/")))
+                    .max_by_key(|(m, _)| m.len())
+                {
+                    let local = pod
+                        .dir
+                        .join(volume)
+                        .join(path[mount.len()..].trim_start_matches('/'));
+                    arg = format!("{prefix}{}", local.display());
+                }
+            }
+            out.push(arg);
+        }
+        out
+    }
+
+    /// The container's environment in `pod` (`fieldRef: metadata.name` is the pod's name). The
+    /// OTLP endpoint is left out: the collector is not part of the install.
+    fn env(&self, pod: &LocalPod, container: &Value) -> Vec<(String, String)> {
+        container
+            .get("env")
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+            .filter(|e| str_at(e, &["name"]) != Some("OTEL_EXPORTER_OTLP_ENDPOINT"))
+            .map(|e| {
+                let value = match str_at(e, &["value"]) {
+                    Some(v) => v.to_string(),
+                    None => {
+                        assert_eq!(
+                            str_at(e, &["valueFrom", "fieldRef", "fieldPath"]),
+                            Some("metadata.name"),
+                            "{e:?}"
+                        );
+                        pod.name.clone()
+                    }
+                };
+                (str_at(e, &["name"]).unwrap().to_string(), value)
+            })
+            .collect()
+    }
+
+    /// Starts every pod of workload `index`: its volumes as folders (Secret volumes holding the
+    /// test tokens), then its container's own command line.
+    fn start(&mut self, index: usize) {
+        let w = &self.workloads[index];
+        let template = w.template;
+        let container = &containers(template)[0];
+        let mut argv = strings(&container["command"]);
+        argv.extend(strings(&container["args"]));
+        for p in 0..self.pods.len() {
+            if self.pods[p].workload != index {
+                continue;
+            }
+            let pod = &self.pods[p];
+            for volume in template["spec"]
+                .get("volumes")
+                .and_then(Value::as_sequence)
+                .into_iter()
+                .flatten()
+            {
+                let dir = pod.dir.join(str_at(volume, &["name"]).unwrap());
+                std::fs::create_dir_all(&dir).unwrap();
+                for item in volume["secret"]["items"]
+                    .as_sequence()
+                    .into_iter()
+                    .flatten()
+                {
+                    let key = str_at(item, &["key"]).unwrap();
+                    let (_, value) = TEST_SECRET
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .unwrap_or_else(|| panic!("no test value for Secret key {key}"));
+                    std::fs::write(dir.join(str_at(item, &["path"]).unwrap()), value).unwrap();
+                }
+            }
+            let claims = w.object["spec"]["volumeClaimTemplates"].as_sequence();
+            for claim in claims.into_iter().flatten() {
+                std::fs::create_dir_all(pod.dir.join(name(claim))).unwrap();
+            }
+            let local = self.localize(pod, container, &argv);
+            let log = std::fs::File::create(pod.dir.join("log")).unwrap();
+            let child = Command::new(&local[0])
+                .args(&local[1..])
+                .envs(self.env(pod, container))
+                .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .current_dir(&pod.dir)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("{}: {e}", pod.name));
+            self.pods[p].child = Some(child);
+        }
+    }
+
+    fn log(&self, pod: &LocalPod) -> String {
+        std::fs::read_to_string(pod.dir.join("log")).unwrap_or_default()
+    }
+
+    /// Runs one probe of `pod`'s container once: `Err(why)` when it fails.
+    fn probe(&self, pod: &LocalPod, container: &Value, probe: &Value) -> Result<(), String> {
+        let ports = container_ports(container);
+        let local = |port: &Value| pod.ports[&resolve_port(port, &ports).unwrap()];
+        if let Some(get) = probe.get("httpGet") {
+            let path = str_at(get, &["path"]).unwrap_or("/");
+            match http_get(local(&get["port"]), path) {
+                Some((200..=399, _)) => Ok(()),
+                other => Err(format!("GET {path}: {other:?}")),
+            }
+        } else if let Some(tcp) = probe.get("tcpSocket") {
+            std::net::TcpStream::connect(("127.0.0.1", local(&tcp["port"])))
+                .map(drop)
+                .map_err(|e| format!("connect: {e}"))
+        } else {
+            let argv = self.localize(pod, container, &strings(&probe["exec"]["command"]));
+            let err = pod.dir.join("probe-stderr");
+            let mut child = Command::new(&argv[0])
+                .args(&argv[1..])
+                .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(&err).unwrap())
+                .spawn()
+                .unwrap();
+            let seconds = probe["timeoutSeconds"].as_u64().unwrap_or(1);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+            loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    return match status.success() {
+                        true => Ok(()),
+                        false => Err(format!(
+                            "{argv:?}: {status}: {}",
+                            std::fs::read_to_string(&err).unwrap_or_default()
+                        )),
+                    };
+                }
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!("{argv:?}: no answer in {seconds} s"));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    }
+
+    /// Waits until every pod of workload `index` passes its readiness probe (and has not exited).
+    fn wait_ready(&mut self, index: usize, limit: std::time::Duration) {
+        let container = &containers(self.workloads[index].template)[0];
+        let deadline = std::time::Instant::now() + limit;
+        for p in 0..self.pods.len() {
+            if self.pods[p].workload != index {
+                continue;
+            }
+            loop {
+                let pod = &self.pods[p];
+                let Err(why) = self.probe(pod, container, &container["readinessProbe"]) else {
+                    break;
+                };
+                let exited = self.pods[p].child.as_mut().unwrap().try_wait().unwrap();
+                let pod = &self.pods[p];
+                assert!(
+                    exited.is_none() && std::time::Instant::now() < deadline,
+                    "{} is not ready ({}; probe: {why}): {}",
+                    pod.name,
+                    exited.map_or("still running".to_string(), |s| s.to_string()),
+                    self.log(pod)
+                );
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// `GET path` on a loopback port: status and body.
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).ok()?;
+    let raw = String::from_utf8_lossy(&raw);
+    let status = raw.split(' ').nth(1)?.parse().ok()?;
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    Some((status, body))
+}
+
+#[test]
+fn both_installs_start_from_their_own_command_lines_and_pass_their_probes() {
+    for install in INSTALLS {
+        let objects = rendered(install);
+        let needs_etcd = workloads(&objects).iter().any(|w| {
+            containers(w.template)
+                .iter()
+                .any(|c| strings(&c["command"]).first().map(String::as_str) == Some("etcd"))
+        });
+        if needs_etcd {
+            let etcd = Command::new("etcd")
+                .arg("--version")
+                .output()
+                .map_err(|e| format!("no etcd to run the etcd members with ({e})"))
+                .map(|_| ());
+            if !require_tool(&format!("{install} on this machine"), etcd) {
+                continue;
+            }
+        }
+        let mut cluster = LocalCluster::new(&objects);
+        // Start workloads once what their command lines name is ready, as a cluster converges.
+        let mut started: BTreeSet<usize> = BTreeSet::new();
+        while started.len() < cluster.workloads.len() {
+            let next = (0..cluster.workloads.len())
+                .filter(|i| !started.contains(i))
+                .find(|&i| {
+                    let w = &cluster.workloads[i];
+                    let c = &containers(w.template)[0];
+                    let mut argv = strings(&c["command"]);
+                    argv.extend(strings(&c["args"]));
+                    urls(&argv.join(" ")).iter().all(|(host, _)| {
+                        let service = host.rsplit('.').next().unwrap();
+                        let Some(svc) = cluster.services.get(service) else {
+                            return true; // itself (0.0.0.0, 127.0.0.1)
+                        };
+                        cluster.workloads.iter().enumerate().all(|(j, other)| {
+                            j == i
+                                || started.contains(&j)
+                                || !selects(
+                                    &svc["spec"]["selector"],
+                                    &labels(&other.template["metadata"]["labels"]),
+                                )
+                        })
+                    })
+                })
+                .expect("workloads that wait for each other");
+            cluster.start(next);
+            cluster.wait_ready(next, std::time::Duration::from_secs(60));
+            started.insert(next);
+        }
+        // Liveness holds too, and Prometheus finds metrics where the annotations say.
+        let mut scraped = 0;
+        for pod in &cluster.pods {
+            let w = &cluster.workloads[pod.workload];
+            let container = &containers(w.template)[0];
+            if let Some(probe) = container.get("livenessProbe") {
+                if let Err(why) = cluster.probe(pod, container, probe) {
+                    panic!("{}: liveness: {why}", pod.name);
+                }
+            }
+            let annotations = labels(&w.template["metadata"]["annotations"]);
+            let port: u16 = annotations["prometheus.io/port"].parse().unwrap();
+            let (status, body) = http_get(pod.ports[&port], &annotations["prometheus.io/path"])
+                .unwrap_or_else(|| panic!("{}: no answer on metrics port {port}", pod.name));
+            assert!(
+                status == 200 && body.contains("# TYPE"),
+                "{}: GET {} on {port}: {status}",
+                pod.name,
+                annotations["prometheus.io/path"]
+            );
+            scraped += 1;
+        }
+        println!(
+            "{install}: {} pods started from their rendered command lines, ready by their own probes, {scraped} scraped",
+            cluster.pods.len()
+        );
+    }
 }
