@@ -1669,6 +1669,29 @@ fn both_installs_start_from_their_own_command_lines_and_pass_their_probes() {
             );
             scraped += 1;
         }
+        // Nothing was written outside the volumes (the root filesystem is read-only there; the
+        // pods ran in their folders, as a container runs in `/`).
+        for pod in &cluster.pods {
+            let w = &cluster.workloads[pod.workload];
+            let mut allowed: BTreeSet<String> = ["log", "probe-stderr"].map(String::from).into();
+            for volume in w.template["spec"]["volumes"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+            {
+                allowed.insert(str_at(volume, &["name"]).unwrap().to_string());
+            }
+            let claims = w.object["spec"]["volumeClaimTemplates"].as_sequence();
+            allowed.extend(claims.into_iter().flatten().map(|c| name(c).to_string()));
+            for entry in std::fs::read_dir(&pod.dir).unwrap() {
+                let entry = entry.unwrap().file_name().to_string_lossy().into_owned();
+                assert!(
+                    allowed.contains(&entry),
+                    "{}: wrote {entry} outside its volumes",
+                    pod.name
+                );
+            }
+        }
         println!(
             "{install}: {} pods started from their rendered command lines, ready by their own probes, {scraped} scraped",
             cluster.pods.len()
