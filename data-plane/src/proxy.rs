@@ -454,6 +454,9 @@ impl Router {
                         instance.address()
                     );
                     record_failure(&upstream, "timeout");
+                    // No head within the whole deadline: a stalled instance, as far as passive
+                    // health can tell (not retried: the deadline is spent).
+                    self.count_failure(instance);
                     return self.routed_error(table, &route, 504, &msg, "timeout_error");
                 }
                 Ok(Ok((response, conn))) if !response.status().is_server_error() => {
@@ -465,14 +468,7 @@ impl Router {
                 Ok(Ok(exchange)) => Err(exchange),
                 Ok(Err(e)) => Ok(e),
             };
-            if let Some(length) = instance.state().record_failure(now_ms()) {
-                self.metrics.ejections.fetch_add(1, Relaxed);
-                tracing::warn!(
-                    instance = instance.address(),
-                    ?length,
-                    "instance ejected after repeated failures"
-                );
-            }
+            self.count_failure(instance);
             if !retried {
                 if let Some((next, decision)) =
                     self.placement
@@ -512,6 +508,18 @@ impl Router {
                     self.routed_error(table, &route, 502, &msg, "upstream_error")
                 }
             };
+        }
+    }
+
+    /// A failed exchange, for passive health: ejects the instance after repeated failures.
+    fn count_failure(&self, instance: &crate::table::Instance) {
+        if let Some(length) = instance.state().record_failure(now_ms()) {
+            self.metrics.ejections.fetch_add(1, Relaxed);
+            tracing::warn!(
+                instance = instance.address(),
+                ?length,
+                "instance ejected after repeated failures"
+            );
         }
     }
 

@@ -150,6 +150,53 @@ async fn a_stream_that_stalls_ends_at_the_deadline_with_a_timeout_event() {
 }
 
 #[tokio::test]
+async fn an_instance_that_never_answers_is_ejected_after_repeated_timeouts() {
+    let cp = MockControlPlane::start().await;
+    let stalled = Backend::start_with("stalled", Behavior::Hold).await;
+    let good = Backend::start("good").await;
+    cp.push(simple_table(
+        1,
+        prefix_aware(256, 64),
+        &[stalled.url.as_str(), good.url.as_str()],
+    ));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        node_id: Some("r".into()),
+        request_timeout_ms: 200,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/completions");
+    // prompts whose first choice is the stalled instance: 504 at the deadline, three times
+    let mut timed_out = 0;
+    for i in 0..200 {
+        let r = post(&url, &[], format!(r#"{{"model":"e","prompt":"p{i}"}}"#)).await;
+        if r.instance() == stalled.url {
+            r.assert_error(504, "timeout_error");
+            timed_out += 1;
+            if timed_out == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(timed_out, 3);
+    let m = router.metrics().await;
+    assert!(m.contains("prefix_router_ejections_total 1\n"), "{m}");
+    // ejected: its keys go to the other instance at once
+    for i in 0..40 {
+        let r = post(&url, &[], format!(r#"{{"model":"e","prompt":"p{i}"}}"#)).await;
+        assert_eq!(
+            (r.status, r.instance()),
+            (200, good.url.as_str()),
+            "{}",
+            r.text()
+        );
+    }
+    stalled.release();
+}
+
+#[tokio::test]
 async fn a_json_body_cut_after_its_head_fails_the_clients_read() {
     let url = breaking_server("application/json", "{\"id\":\"x\",\"choi", true).await;
     let (_cp, router) = router_over(&url, 30_000).await;

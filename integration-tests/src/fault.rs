@@ -40,6 +40,8 @@ pub struct FaultProxy {
     cut: watch::Sender<u64>,
     target: Arc<Mutex<SocketAddr>>,
     accepted: Arc<AtomicU64>,
+    /// Bytes forwarded from targets to clients.
+    down: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -54,6 +56,8 @@ impl FaultProxy {
         let (cut, cut_rx) = watch::channel(0u64);
         let accepted = Arc::new(AtomicU64::new(0));
         let count = Arc::clone(&accepted);
+        let down = Arc::new(AtomicU64::new(0));
+        let down_count = Arc::clone(&down);
         let target = Arc::new(Mutex::new(target));
         let to = Arc::clone(&target);
         let task = tokio::spawn(async move {
@@ -61,7 +65,12 @@ impl FaultProxy {
                 count.fetch_add(1, Relaxed);
                 let _ = client.set_nodelay(true);
                 let target = *to.lock().unwrap_or_else(|e| e.into_inner());
-                tokio::spawn(serve(client, target, rx.clone(), cut_rx.clone()));
+                let conn = Conn {
+                    fault: rx.clone(),
+                    cut: cut_rx.clone(),
+                    down: Arc::clone(&down_count),
+                };
+                tokio::spawn(serve(client, target, conn));
             }
         });
         FaultProxy {
@@ -70,6 +79,7 @@ impl FaultProxy {
             cut,
             target,
             accepted,
+            down,
             task,
         }
     }
@@ -103,6 +113,11 @@ impl FaultProxy {
     pub fn accepted(&self) -> u64 {
         self.accepted.load(Relaxed)
     }
+
+    /// Bytes forwarded from the target to clients so far.
+    pub fn bytes_down(&self) -> u64 {
+        self.down.load(Relaxed)
+    }
 }
 
 impl Drop for FaultProxy {
@@ -129,13 +144,16 @@ async fn pace(fault: Fault, n: usize) {
     }
 }
 
-async fn serve(
-    client: TcpStream,
-    target: SocketAddr,
-    mut fault: watch::Receiver<Fault>,
-    mut cut: watch::Receiver<u64>,
-) {
-    cut.mark_unchanged();
+/// What a connection's task watches and counts.
+struct Conn {
+    fault: watch::Receiver<Fault>,
+    cut: watch::Receiver<u64>,
+    down: Arc<AtomicU64>,
+}
+
+async fn serve(client: TcpStream, target: SocketAddr, mut conn: Conn) {
+    conn.cut.mark_unchanged();
+    let fault = &mut conn.fault;
     // A black-holed path still completes the handshake (the kernel accepted it); nothing flows
     // until it heals.
     loop {
@@ -153,15 +171,15 @@ async fn serve(
         return reset(client);
     };
     let _ = upstream.set_nodelay(true);
-    pump(client, upstream, fault, cut).await;
+    pump(client, upstream, conn).await;
 }
 
-async fn pump(
-    mut client: TcpStream,
-    mut upstream: TcpStream,
-    mut fault: watch::Receiver<Fault>,
-    mut cut: watch::Receiver<u64>,
-) {
+async fn pump(mut client: TcpStream, mut upstream: TcpStream, conn: Conn) {
+    let Conn {
+        mut fault,
+        mut cut,
+        down: forwarded,
+    } = conn;
     let mut up = vec![0u8; 16 << 10];
     let mut down = vec![0u8; 16 << 10];
     let (mut up_open, mut down_open) = (true, true);
@@ -216,6 +234,7 @@ async fn pump(
                         return;
                     }
                     down_bytes += n as u64;
+                    forwarded.fetch_add(n as u64, Relaxed);
                 }
             },
             changed = fault.changed() => if changed.is_err() {
@@ -300,6 +319,7 @@ mod tests {
             b"third"
         );
         assert_eq!(proxy.accepted(), 1);
+        assert_eq!(proxy.bytes_down(), 15);
     }
 
     #[tokio::test]

@@ -195,15 +195,27 @@ async fn engine_that_stalls() {
             max_tokens: 200,
         });
         let streams = Load::start(fleet.http.clone(), vec![fleet.router_url(0)], 4, Some(4), false, long);
-        wait_for("a stream open on the victim", Duration::from_secs(20), || async {
+        // Stall once the streams' heads and some tokens came through (they emit a token every
+        // 5 ms for ~1 s).
+        let proxy = &fleet.engines[2].proxy;
+        wait_for("streams open on the victim", Duration::from_secs(20), || async {
             let m = fleet.metrics(0).await;
-            (metric(&m, "prefix_router_instance_in_flight", &[("instance", &victim_url)]) >= 1.0)
-                .then_some(())
+            let open = metric(&m, "prefix_router_instance_in_flight", &[("instance", &victim_url)]);
+            (open >= 2.0).then_some(())
+        })
+        .await;
+        let flowing = proxy.bytes_down() + 4096;
+        wait_for("tokens from the victim", Duration::from_secs(20), || async {
+            (proxy.bytes_down() > flowing).then_some(())
         })
         .await;
         fleet.engines[2].proxy.set(Fault::BlackHole);
         let stalled = run_load(&fleet, 8, 150, plan).await;
         let streams = streams.stop_after_limit().await;
+        // Timeouts before the head count against the instance: it was ejected, its keys moved.
+        let m = fleet.metrics(0).await;
+        let ejected = metric(&m, "prefix_router_instance_ejected", &[("instance", &victim_url)]);
+        assert_eq!(ejected, 1.0, "{m}");
         fleet.engines[2].proxy.set(Fault::Pass);
 
         assert!(broken(&stalled).is_empty(), "broken: {:?}", broken(&stalled));
@@ -247,7 +259,7 @@ async fn engine_that_stalls() {
             "p99 of other engines' requests {p99_fault:?} vs {p99_base:?} without the fault"
         );
         println!(
-            "DRILL 2 engine stalls | during: {} | long streams on it: {} | lost/unaccounted: 0 | 504s at {:?}..{:?} (deadline {DEADLINE_MS} ms) | other engines' p99 {:?} vs {:?} no-fault ({:+.0}%), p50 {:?} vs {:?}",
+            "DRILL 2 engine stalls | during: {} | long streams on it: {} | lost/unaccounted: 0 | 504s at {:?}..{:?} (deadline {DEADLINE_MS} ms), then the engine ejected | other engines' p99 {:?} vs {:?} no-fault ({:+.0}%), p50 {:?} vs {:?}",
             tally(&stalled),
             tally(&cut.iter().map(|o| (*o).clone()).collect::<Vec<_>>()),
             timed_out.iter().map(|o| o.latency).min().unwrap(),
