@@ -50,7 +50,7 @@ impl Noise<'_> {
 
     fn ws(&mut self, out: &mut String) {
         out.push_str(match self.next() % 6 {
-            0 | 1 | 2 => "",
+            0..=2 => "",
             3 => " ",
             4 => "\n  ",
             _ => "\t\r\n ",
@@ -105,7 +105,7 @@ fn write_string(s: &str, noise: &mut Noise<'_>, out: &mut String) {
     use std::fmt::Write as _;
     out.push('"');
     for c in s.chars() {
-        let escape = noise.next() % 8 == 0;
+        let escape = noise.next().is_multiple_of(8);
         match c {
             '"' => out.push_str("\\\""),
             '\\' => out.push_str("\\\\"),
