@@ -548,6 +548,7 @@ impl Router {
         let stream = UpstreamStream {
             in_flight,
             ejections: Arc::clone(&self.metrics.ejections),
+            server_error: parts.status.is_server_error(),
             sse,
             at_event_boundary: true,
         };
@@ -852,9 +853,19 @@ struct UpstreamStream {
     sse: bool,
     /// The bytes sent so far end between events (`\n\n`), or none were sent.
     at_event_boundary: bool,
+    /// A 5xx passed through (both attempts failed): already counted as a failure, so its body
+    /// ending is no success.
+    server_error: bool,
 }
 
 impl UpstreamStream {
+    /// The body ended: the exchange was a success for passive health (unless a 5xx).
+    fn ended(&self) {
+        if !self.server_error {
+            self.in_flight.instance().record_success();
+        }
+    }
+
     /// The stream failed after the head: a failure of the instance (unless it is the request's
     /// own deadline), and for SSE an error event that ends the body; otherwise an error, which
     /// aborts the client's connection.
@@ -993,7 +1004,7 @@ impl Body for ResponseBody {
                         Poll::Ready(Some(s.fail(e.into())))
                     }
                     Poll::Ready(None) => {
-                        s.in_flight.instance().record_success();
+                        s.ended();
                         release(conn, stream);
                         stream.take();
                         end_trace(trace, None);
@@ -1038,7 +1049,7 @@ impl Drop for ResponseBody {
         {
             if conn.is_some() && body.is_end_stream() {
                 if let Some(s) = stream {
-                    s.in_flight.instance().record_success();
+                    s.ended();
                 }
                 release(conn, stream);
             }

@@ -197,6 +197,32 @@ async fn an_instance_that_never_answers_is_ejected_after_repeated_timeouts() {
 }
 
 #[tokio::test]
+async fn a_5xx_passed_through_is_no_success_when_its_body_ends() {
+    // One instance, always 500: nowhere to retry, so each 500 goes to the client whole; its body
+    // ending must not reset the failures its status counted.
+    let cp = MockControlPlane::start().await;
+    let bad = Backend::start_with("bad", Behavior::Status(500)).await;
+    cp.push(simple_table(
+        1,
+        strategy(proto::RoutingStrategy::Random),
+        &[bad.url.as_str()],
+    ));
+    let router = RouterHandle::watching(&cp, "r").await;
+    router.wait_version(1).await;
+    for i in 0..3 {
+        let r = post(
+            &router.url("/v1/completions"),
+            &[],
+            format!(r#"{{"model":"e","prompt":"{i}"}}"#),
+        )
+        .await;
+        assert_eq!(r.status, 500);
+    }
+    let m = router.metrics().await;
+    assert!(m.contains("prefix_router_ejections_total 1\n"), "{m}");
+}
+
+#[tokio::test]
 async fn a_json_body_cut_after_its_head_fails_the_clients_read() {
     let url = breaking_server("application/json", "{\"id\":\"x\",\"choi", true).await;
     let (_cp, router) = router_over(&url, 30_000).await;
