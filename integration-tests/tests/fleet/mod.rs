@@ -251,7 +251,9 @@ pub enum Kind {
     Aborted(String),
     /// A body that ended cleanly but is not a whole answer: a silent truncation.
     Truncated(String),
-    /// No HTTP answer at all (connection refused or reset before a head).
+    /// The connection was refused: the request reached no router.
+    Refused,
+    /// No HTTP answer at all (the connection closed or reset before a head).
     Transport(String),
     /// Nothing within [`CLIENT_DEADLINE`].
     Hung,
@@ -266,6 +268,7 @@ impl Kind {
             Kind::StreamError(t) => format!("sse error {t}"),
             Kind::Aborted(_) => "aborted".into(),
             Kind::Truncated(_) => "truncated".into(),
+            Kind::Refused => "refused".into(),
             Kind::Transport(_) => "transport".into(),
             Kind::Hung => "hung".into(),
         }
@@ -328,6 +331,7 @@ async fn exchange(
 ) -> (Kind, Option<String>) {
     let resp = match http.request(request).await {
         Ok(r) => r,
+        Err(e) if refused(&e) => return (Kind::Refused, None),
         Err(e) => return (Kind::Transport(format!("{e:?}")), None),
     };
     let status = resp.status().as_u16();
@@ -384,6 +388,20 @@ async fn exchange(
     }
 }
 
+/// Whether a client error is a refused connection (somewhere in its chain of causes).
+fn refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// Requests from `workers` concurrent clients until stopped, every outcome recorded.
 pub struct Load {
     pub records: Arc<Mutex<Vec<Outcome>>>,
@@ -435,8 +453,10 @@ impl Load {
                             let router = (n as usize + attempts as usize) % routers.len();
                             attempts += 1;
                             let (kind, instance) = chat(&http, &routers[router], &req).await;
-                            let refused = matches!(&kind, Kind::Transport(e) if e.contains("ConnectionRefused"));
-                            if retry_refused && refused && t0.elapsed() < CLIENT_DEADLINE {
+                            if retry_refused
+                                && kind == Kind::Refused
+                                && t0.elapsed() < CLIENT_DEADLINE
+                            {
                                 tokio::time::sleep(Duration::from_millis(20)).await;
                                 continue;
                             }
