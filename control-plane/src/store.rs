@@ -63,8 +63,9 @@ pub enum StoreError {
     #[error("storage error: {0}")]
     Storage(sled::Error),
     /// The disk under `--data-dir` is full (or over quota): the change was not made, and reads
-    /// and watches go on from what was stored.
-    #[error("the control plane's store is out of disk space ({0}): changes are refused until space is freed; reads and routing-table watches go on")]
+    /// and watches go on from what was stored. sled stops writing after a failed write, so
+    /// changes are refused until the process restarts (with space freed).
+    #[error("the control plane's store is out of disk space ({0}): changes are refused until space is freed and the control plane restarted; reads and routing-table watches go on")]
     OutOfSpace(sled::Error),
     #[error("corrupt record in {tree}: {error}")]
     Corrupt {

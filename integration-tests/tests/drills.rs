@@ -667,6 +667,21 @@ async fn control_plane_disk_full() {
 
         // Space returns, the process restarts: every change is there whole or not at all.
         std::fs::remove_file(&filler).unwrap();
+        // With space back, does the running process take changes again?
+        let req = proto::CreateEndpointConfigRequest {
+            endpoint_config_name: "after-space".into(),
+            production_variants: v1("v1"),
+        };
+        // (sled stops writing after a failed write: still refused, and the message says a restart
+        // is needed; accepted would be fine too)
+        let without_restart = match raw.create_endpoint_config(req).await {
+            Ok(_) => "accepted".to_string(),
+            Err(s) => {
+                assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+                assert!(s.message().contains("restarted"), "{}", s.message());
+                "still refused until a restart".to_string()
+            }
+        };
         cp.kill9();
         let cp = ChildServer::start("control-plane", &["--data-dir", data]).unwrap();
         let sdk = proto::client::Client::connect(cp.url()).await.unwrap();
@@ -686,7 +701,7 @@ async fn control_plane_disk_full() {
             .await
             .unwrap();
         println!(
-            "DRILL 5 control plane disk full | {} changes stored, then RESOURCE_EXHAUSTED: {:?} | reads, watch and routing went on | after space returned and a restart: acknowledged changes whole, the refused one {} | lost/unaccounted: 0",
+            "DRILL 5 control plane disk full | {} changes stored, then RESOURCE_EXHAUSTED: {:?} | reads, watch and routing went on | space back, same process: {without_restart} | after a restart: acknowledged changes whole, the refused one {} | lost/unaccounted: 0",
             stored.len(),
             status.message(),
             if half.is_some() { "present and whole" } else { "absent" },
