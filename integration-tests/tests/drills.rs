@@ -521,6 +521,11 @@ async fn control_plane_black_holed() {
         })
         .await;
         let converged = healed.elapsed();
+        // and its watch is up again
+        wait_for("the watch to be up", Duration::from_secs(10), || async {
+            (connected(&fleet.metrics(0).await) == 1.0).then_some(())
+        })
+        .await;
         let outcomes = load.stop().await;
         assert!(outcomes.iter().all(|o| o.kind == Kind::Ok), "{}", tally(&outcomes));
         // Generous bounds; the figures are reported.
