@@ -274,9 +274,13 @@ impl Kind {
         }
     }
 
-    /// An outcome that breaks the promise: neither an answer nor a contract-shaped error.
+    /// An outcome that breaks the promise: neither an answer nor a contract-shaped error (a
+    /// refused connection, which reached no router, is not counted here).
     pub fn is_broken(&self) -> bool {
-        matches!(self, Kind::Aborted(_) | Kind::Truncated(_) | Kind::Hung)
+        matches!(
+            self,
+            Kind::Aborted(_) | Kind::Truncated(_) | Kind::Transport(_) | Kind::Hung
+        )
     }
 }
 
