@@ -459,11 +459,39 @@ impl Router {
                     self.count_failure(instance);
                     return self.routed_error(table, &route, 504, &msg, "timeout_error");
                 }
-                Ok(Ok((response, conn))) if !response.status().is_server_error() => {
+                Ok(Ok((response, mut conn))) if !response.status().is_server_error() => {
                     // A success for passive health once the body has ended, too (a body
-                    // that breaks off is a failure).
-                    let trace = BodyTrace::start(span, upstream, sent, response.status());
-                    return self.respond(table, &route, response, conn, in_flight, deadline, trace);
+                    // that breaks off is a failure). A body that is not an event stream is
+                    // read up to its first frame first: one that fails before it can still be
+                    // retried or answered 502, since the client has seen nothing yet.
+                    let (head, mut incoming) = response.into_parts();
+                    let first = if is_event_stream(&head.headers) {
+                        Ok(None)
+                    } else {
+                        tokio::select! {
+                            biased;
+                            first = first_frame(&mut conn, &mut incoming) => first,
+                            () = deadline.as_mut() => {
+                                let msg = format!(
+                                    "no response body from {} within the request timeout",
+                                    instance.address()
+                                );
+                                record_failure(&upstream, "timeout");
+                                self.count_failure(instance);
+                                return self.routed_error(table, &route, 504, &msg, "timeout_error");
+                            }
+                        }
+                    };
+                    match first {
+                        Ok(first) => {
+                            let trace = BodyTrace::start(span, upstream, sent, head.status);
+                            let response = Response::from_parts(head, incoming);
+                            return self.respond(
+                                table, &route, response, conn, in_flight, deadline, trace, first,
+                            );
+                        }
+                        Err(e) => Ok(upstream::UpstreamError::Http(e)),
+                    }
                 }
                 Ok(Ok(exchange)) => Err(exchange),
                 Ok(Err(e)) => Ok(e),
@@ -494,7 +522,9 @@ impl Router {
             return match failure {
                 Err((response, conn)) => {
                     let trace = BodyTrace::start(span, upstream, sent, response.status());
-                    self.respond(table, &route, response, conn, in_flight, deadline, trace)
+                    self.respond(
+                        table, &route, response, conn, in_flight, deadline, trace, None,
+                    )
                 }
                 Ok(e) => {
                     let msg = format!(
@@ -533,6 +563,7 @@ impl Router {
         in_flight: InFlight,
         deadline: Pin<Box<Sleep>>,
         trace: Option<Box<BodyTrace>>,
+        first: Option<Frame<Bytes>>,
     ) -> Response<ResponseBody> {
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -541,11 +572,9 @@ impl Router {
             .stats()
             .record(route.decision, parts.status.as_u16());
         set_route_headers(&mut parts.headers, table, route);
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let sse = is_event_stream(&parts.headers);
         let stream = UpstreamStream {
+            pending: first,
             in_flight,
             ejections: Arc::clone(&self.metrics.ejections),
             server_error: parts.status.is_server_error(),
@@ -843,8 +872,32 @@ pub(crate) fn error_response(status: u16, message: &str, kind: &str) -> Response
     json_response(status, serde_json::to_vec(&body).unwrap_or_default())
 }
 
+/// `content-type: text/event-stream`
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
+/// Drives `conn` until `body`'s first frame (`None`: the body is empty) or its failure.
+async fn first_frame(
+    conn: &mut Conn,
+    body: &mut Incoming,
+) -> Result<Option<Frame<Bytes>>, hyper::Error> {
+    std::future::poll_fn(|cx| {
+        conn.poll_drive(cx);
+        match Pin::new(&mut *body).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.transpose()),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
+}
+
 /// An upstream response body being streamed: what its failure needs to know.
 struct UpstreamStream {
+    /// The body's first frame, read before the head was answered, to send first.
+    pending: Option<Frame<Bytes>>,
     in_flight: InFlight,
     /// The router's ejection counter: a body that fails counts against its instance's health.
     ejections: Arc<std::sync::atomic::AtomicU64>,
@@ -984,7 +1037,11 @@ impl Body for ResponseBody {
                     let s = stream.take().expect("checked above");
                     return Poll::Ready(Some(s.fail(BodyError::Timeout)));
                 }
-                match Pin::new(body).poll_frame(cx) {
+                let polled = match s.pending.take() {
+                    Some(frame) => Poll::Ready(Some(Ok(frame))),
+                    None => Pin::new(body).poll_frame(cx),
+                };
+                match polled {
                     Poll::Ready(Some(Ok(frame))) => {
                         if let Some(data) = frame.data_ref() {
                             if !data.is_empty() {
@@ -1026,7 +1083,10 @@ impl Body for ResponseBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Inner::Full(b) => b.is_none(),
-            Inner::Upstream { body, stream, .. } => stream.is_none() || body.is_end_stream(),
+            Inner::Upstream { body, stream, .. } => match stream {
+                None => true,
+                Some(s) => s.pending.is_none() && body.is_end_stream(),
+            },
         }
     }
 
@@ -1034,7 +1094,21 @@ impl Body for ResponseBody {
         match &self.kind {
             Inner::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             Inner::Full(None) => SizeHint::with_exact(0),
-            Inner::Upstream { body, .. } => body.size_hint(),
+            Inner::Upstream { body, stream, .. } => {
+                let mut hint = body.size_hint();
+                let pending = stream
+                    .as_ref()
+                    .and_then(|s| s.pending.as_ref()?.data_ref().map(|d| d.len() as u64))
+                    .unwrap_or(0);
+                if pending > 0 {
+                    // upper first: a lower bound may never exceed the upper one
+                    if let Some(upper) = hint.upper() {
+                        hint.set_upper(upper + pending);
+                    }
+                    hint.set_lower(hint.lower() + pending);
+                }
+                hint
+            }
         }
     }
 }

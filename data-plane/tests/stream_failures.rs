@@ -11,8 +11,8 @@ use data_plane::Config;
 use support::*;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-/// A model server that answers each request with `head` and `first` (one chunk of a chunked
-/// body), then either closes the connection mid-body or holds it open forever.
+/// A model server that answers each request with a head and `first` (one chunk of a chunked
+/// body; none when empty), then either closes the connection mid-body or holds it open forever.
 async fn breaking_server(content_type: &'static str, first: &'static str, close: bool) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
@@ -40,10 +40,12 @@ async fn breaking_server(content_type: &'static str, first: &'static str, close:
                         }
                     }
                 }
-                let reply = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{first}\r\n",
-                    first.len()
+                let mut reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
                 );
+                if !first.is_empty() {
+                    reply.push_str(&format!("{:x}\r\n{first}\r\n", first.len()));
+                }
                 if s.write_all(reply.as_bytes()).await.is_err() || close {
                     return;
                 }
@@ -220,6 +222,41 @@ async fn a_5xx_passed_through_is_no_success_when_its_body_ends() {
     }
     let m = router.metrics().await;
     assert!(m.contains("prefix_router_ejections_total 1\n"), "{m}");
+}
+
+#[tokio::test]
+async fn a_json_body_that_fails_before_its_first_byte_is_retried_or_answered_502() {
+    let url = breaking_server("application/json", "", true).await;
+    let body = r#"{"model":"e","messages":[{"role":"user","content":"hi"}]}"#;
+    // alone: nothing reached the client yet, so a contract error
+    let (_cp, router) = router_over(&url, 30_000).await;
+    post(&router.url("/v1/chat/completions"), &[], body)
+        .await
+        .assert_error(502, "upstream_error");
+    // beside a healthy instance: retried there
+    let good = Backend::start("good").await;
+    let cp = MockControlPlane::start().await;
+    cp.push(simple_table(
+        1,
+        strategy(proto::RoutingStrategy::Random),
+        &[url.as_str(), good.url.as_str()],
+    ));
+    let router = RouterHandle::watching(&cp, "r2").await;
+    router.wait_version(1).await;
+    for i in 0..20 {
+        let r = post(
+            &router.url("/v1/completions"),
+            &[],
+            format!(r#"{{"model":"e","prompt":"{i}"}}"#),
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.instance()),
+            (200, good.url.as_str()),
+            "{}",
+            r.text()
+        );
+    }
 }
 
 #[tokio::test]
