@@ -41,12 +41,13 @@ pub mod pb {
 
 use pb::etcdserverpb::compare::{CompareResult, CompareTarget, TargetUnion};
 use pb::etcdserverpb::kv_client::KvClient;
+use pb::etcdserverpb::lease_client::LeaseClient;
 use pb::etcdserverpb::request_op::Request as TxnOp;
 use pb::etcdserverpb::watch_client::WatchClient;
 use pb::etcdserverpb::watch_request::RequestUnion;
 use pb::etcdserverpb::{
-    Compare, DeleteRangeRequest, PutRequest, RangeRequest, RequestOp, TxnRequest,
-    WatchCreateRequest, WatchRequest,
+    Compare, DeleteRangeRequest, LeaseGrantRequest, PutRequest, RangeRequest, RequestOp,
+    TxnRequest, WatchCreateRequest, WatchRequest,
 };
 use pb::mvccpb::event::EventType;
 
@@ -63,6 +64,40 @@ pub struct EtcdSettings {
     pub prefix: String,
 }
 
+/// The etcd members, one connection each (made lazily), used one at a time: a call that cannot
+/// reach the current member moves to the next.
+struct Members {
+    channels: Vec<Channel>,
+    current: std::sync::atomic::AtomicUsize,
+}
+
+impl Members {
+    fn current(&self) -> (usize, Channel) {
+        let i = self.current.load(std::sync::atomic::Ordering::Relaxed) % self.channels.len();
+        (i, self.channels[i].clone())
+    }
+
+    /// Member `i` could not be reached: use the next one (unless another call already moved).
+    fn failed(&self, i: usize) {
+        let next = (i + 1) % self.channels.len();
+        let _ = self.current.compare_exchange(
+            i,
+            next,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    fn len(&self) -> usize {
+        self.channels.len()
+    }
+}
+
+/// A status made on this side because the member could not be reached (not an answer of etcd's).
+fn unreachable(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable && std::error::Error::source(status).is_some()
+}
+
 /// The mirror of everything under the prefix, at `revision`.
 #[derive(Default)]
 struct Mirror {
@@ -72,7 +107,7 @@ struct Mirror {
 
 pub(crate) struct EtcdBackend {
     prefix: Vec<u8>,
-    kv: KvClient<Channel>,
+    members: Arc<Members>,
     mirror: Arc<RwLock<Mirror>>,
     /// The mirror's revision, for waiting on it.
     applied: watch::Receiver<i64>,
@@ -123,26 +158,40 @@ impl EtcdBackend {
     }
 
     /// Runs an etcd call to completion from a blocking thread (the store's callers run it on
-    /// `spawn_blocking`), within [`CALL_TIMEOUT`].
-    fn call<T>(
-        &self,
-        what: &str,
-        fut: impl std::future::Future<Output = Result<T, tonic::Status>>,
-    ) -> Result<T, StoreError> {
-        match self
-            .runtime
-            .block_on(async { tokio::time::timeout(CALL_TIMEOUT, fut).await })
-        {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(status)) => Err(unavailable(what, status.message())),
-            Err(_) => Err(unavailable(
-                what,
-                format!(
-                    "no answer within {}s (is a quorum of etcd members up?)",
-                    CALL_TIMEOUT.as_secs()
-                ),
-            )),
+    /// `spawn_blocking`), within [`CALL_TIMEOUT`], on the first member that can be reached.
+    fn call<T, F, Fut>(&self, what: &str, make: F) -> Result<T, StoreError>
+    where
+        F: Fn(Channel) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        let mut last = String::new();
+        for _ in 0..self.members.len() {
+            let (i, channel) = self.members.current();
+            let answer = self
+                .runtime
+                .block_on(async { tokio::time::timeout(CALL_TIMEOUT, make(channel)).await });
+            match answer {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(status)) if unreachable(&status) => {
+                    self.members.failed(i);
+                    last = status.message().to_string();
+                }
+                Ok(Err(status)) => return Err(unavailable(what, status.message())),
+                Err(_) => {
+                    return Err(unavailable(
+                        what,
+                        format!(
+                            "no answer within {}s (is a quorum of etcd members up?)",
+                            CALL_TIMEOUT.as_secs()
+                        ),
+                    ))
+                }
+            }
         }
+        Err(unavailable(
+            what,
+            format!("no etcd member could be reached ({last})"),
+        ))
     }
 }
 
@@ -175,17 +224,19 @@ async fn load(
 /// Keeps the mirror current: watches the prefix from the mirror's next revision, applies every
 /// event, and starts over from a fresh load when the watch breaks (etcd restarted, compaction).
 async fn watch_prefix(
-    channel: Channel,
+    members: Arc<Members>,
     prefix: Vec<u8>,
     mirror: Arc<RwLock<Mirror>>,
     applied: watch::Sender<i64>,
 ) {
-    let mut kv = KvClient::new(channel.clone());
-    let mut watch = WatchClient::new(channel);
     loop {
+        let (member, channel) = members.current();
+        let mut kv = KvClient::new(channel.clone());
+        let mut watch = WatchClient::new(channel);
         let from = match load(&mut kv, &prefix, &mirror, &applied).await {
             Ok(r) => r,
             Err(e) => {
+                members.failed(member);
                 tracing::warn!(
                     "etcd: cannot read the store's keys: {}; retrying",
                     e.message()
@@ -209,6 +260,7 @@ async fn watch_prefix(
         let mut stream = match watch.watch(ReceiverStream::new(rx)).await {
             Ok(s) => s.into_inner(),
             Err(e) => {
+                members.failed(member);
                 tracing::warn!(
                     "etcd: cannot watch the store's keys: {}; retrying",
                     e.message()
@@ -222,6 +274,7 @@ async fn watch_prefix(
                 Ok(Some(r)) => r,
                 Ok(None) => break,
                 Err(e) => {
+                    members.failed(member);
                     tracing::warn!("etcd: the watch broke: {}; reloading", e.message());
                     break;
                 }
@@ -229,23 +282,27 @@ async fn watch_prefix(
             if resp.canceled || resp.compact_revision > 0 {
                 break;
             }
+            // The mirror's revision moves with the events applied, not with the response header:
+            // a header can be ahead of events still to come (the store's revision when the
+            // response was sent), and those events must not be taken for already applied.
             let mut m = mirror.write().unwrap_or_else(|e| e.into_inner());
+            let mut newest = m.revision;
             for event in resp.events {
                 let Some(kv) = event.kv else { continue };
                 if kv.mod_revision <= m.revision {
                     continue; // already in the mirror (loaded after this event)
                 }
+                newest = newest.max(kv.mod_revision);
                 if event.r#type == EventType::Delete as i32 {
                     m.entries.remove(&kv.key);
                 } else {
                     m.entries.insert(kv.key, kv.value);
                 }
             }
-            let revision = resp.header.map_or(0, |h| h.revision);
-            if revision > m.revision {
-                m.revision = revision;
+            if newest > m.revision {
+                m.revision = newest;
                 drop(m);
-                applied.send_replace(revision);
+                applied.send_replace(newest);
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -318,15 +375,19 @@ impl Backend for EtcdBackend {
                 ..Default::default()
             })),
         });
-        let mut kv = self.kv.clone();
-        let resp = self.call("transaction", async move {
-            kv.txn(TxnRequest {
-                compare: vec![compare],
-                success,
-                failure: vec![],
-            })
-            .await
-            .map(|r| r.into_inner())
+        let txn = TxnRequest {
+            compare: vec![compare],
+            success,
+            failure: vec![],
+        };
+        let resp = self.call("transaction", |channel| {
+            let txn = txn.clone();
+            async move {
+                KvClient::new(channel)
+                    .txn(txn)
+                    .await
+                    .map(|r| r.into_inner())
+            }
         })?;
         if !resp.succeeded {
             return Err(StoreError::Conflict);
@@ -347,15 +408,12 @@ impl Backend for EtcdBackend {
     }
 
     fn sync(&self) -> Result<(), StoreError> {
-        let mut kv = self.kv.clone();
-        let prefix = self.prefix.clone();
-        let mirror = self.mirror.clone();
         let (tx, _) = watch::channel(0);
         let before = self.read().revision;
-        let revision = self.call(
-            "read",
-            async move { load(&mut kv, &prefix, &mirror, &tx).await },
-        )?;
+        let revision = self.call("read", |channel| {
+            let (prefix, mirror, tx) = (self.prefix.clone(), self.mirror.clone(), tx.clone());
+            async move { load(&mut KvClient::new(channel), &prefix, &mirror, &tx).await }
+        })?;
         if revision > before {
             // Wake waiters as the watch would have.
             tracing::debug!(revision, "etcd: mirror reloaded");
@@ -368,9 +426,142 @@ impl Backend for EtcdBackend {
     }
 }
 
+/// How often a replica shares the rollout status of its data planes, and how long that entry
+/// outlives a replica that stopped sharing it (an etcd lease).
+const NODES_EVERY: Duration = Duration::from_secs(1);
+const NODES_TTL_SECONDS: i64 = 5;
+
+/// One replica's data planes, as shared in etcd (`PREFIX nodes/REPLICA`, under a short lease).
+#[derive(Clone, PartialEq, prost::Message)]
+struct ReplicaNodes {
+    #[prost(message, repeated, tag = "1")]
+    nodes: Vec<proto::DataPlaneStatus>,
+}
+
+/// The data planes of the other replicas: each replica writes its watchers' state under a short
+/// etcd lease, so `DescribeEndpoint` on any replica reports every data plane, and a dead
+/// replica's entry goes away within [`NODES_TTL_SECONDS`].
+pub struct ClusterNodes {
+    members: Arc<Members>,
+    prefix: Vec<u8>,
+    replica: String,
+    mirror: Arc<RwLock<Mirror>>,
+}
+
+impl std::fmt::Debug for ClusterNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterNodes")
+            .field("replica", &self.replica)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterNodes {
+    fn key(&self, replica: &str) -> Vec<u8> {
+        let mut k = self.nodes_prefix();
+        k.extend_from_slice(replica.as_bytes());
+        k
+    }
+
+    fn nodes_prefix(&self) -> Vec<u8> {
+        let mut k = self.prefix.clone();
+        k.extend_from_slice(b"nodes/");
+        k
+    }
+
+    /// Every data plane the other replicas serve: `(node id, applied version, connected, last
+    /// seen, last NACK)` as `DataPlaneStatus` (`up_to_date` unset).
+    pub fn others(&self) -> Vec<proto::DataPlaneStatus> {
+        use prost::Message as _;
+        let own = self.key(&self.replica);
+        let start = self.nodes_prefix();
+        let mirror = self.mirror.read().unwrap_or_else(|e| e.into_inner());
+        mirror
+            .entries
+            .range(start.clone()..)
+            .take_while(|(k, _)| k.starts_with(&start))
+            .filter(|(k, _)| **k != own)
+            .filter_map(|(_, v)| ReplicaNodes::decode(v.as_slice()).ok())
+            .flat_map(|r| r.nodes)
+            .collect()
+    }
+
+    /// Shares `nodes` every [`NODES_EVERY`] until `stop` flips.
+    pub async fn share(
+        self: Arc<Self>,
+        nodes: Arc<crate::discovery::NodeRegistry>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        use prost::Message as _;
+        let mut tick = tokio::time::interval(NODES_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            let shared = ReplicaNodes {
+                nodes: nodes
+                    .snapshot()
+                    .into_iter()
+                    .map(|(node_id, s)| proto::DataPlaneStatus {
+                        node_id,
+                        applied_version: s.applied_version,
+                        up_to_date: false,
+                        connected: s.streams > 0,
+                        last_seen_unix_ms: s.last_seen_unix_ms,
+                        last_nack: s.last_nack,
+                    })
+                    .collect(),
+            };
+            // A fresh short lease each time: the entry lives NODES_TTL_SECONDS past the last
+            // write, whatever happened to earlier leases.
+            let (member, channel) = self.members.current();
+            let mut kv = KvClient::new(channel.clone());
+            let mut leases = LeaseClient::new(channel);
+            let put = async {
+                let lease = leases
+                    .lease_grant(LeaseGrantRequest {
+                        ttl: NODES_TTL_SECONDS,
+                        id: 0,
+                    })
+                    .await?
+                    .into_inner();
+                kv.put(PutRequest {
+                    key: self.key(&self.replica),
+                    value: shared.encode_to_vec(),
+                    lease: lease.id,
+                    ..Default::default()
+                })
+                .await
+            };
+            if let Ok(Err(e)) = tokio::time::timeout(CALL_TIMEOUT, put).await {
+                if unreachable(&e) {
+                    self.members.failed(member);
+                }
+                tracing::debug!(
+                    "etcd: cannot share the data planes' status: {}",
+                    e.message()
+                );
+            }
+        }
+    }
+}
+
+/// The etcd store and the data-plane status shared between replicas.
+pub struct EtcdStore {
+    pub store: Arc<Store>,
+    pub cluster: Arc<ClusterNodes>,
+}
+
 /// Connects to etcd, loads the mirror and starts the watch; returns the store over it and keeps
 /// its routing table republished when other replicas change the state.
 pub async fn open_store(settings: &EtcdSettings) -> anyhow::Result<Arc<Store>> {
+    open(settings).await.map(|s| s.store)
+}
+
+/// [`open_store`], with the shared data-plane status.
+pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
     use anyhow::Context as _;
     if settings.endpoints.is_empty() {
         anyhow::bail!("--etcd-endpoints is empty");
@@ -385,13 +576,28 @@ pub async fn open_store(settings: &EtcdSettings) -> anyhow::Result<Arc<Store>> {
             .keep_alive_timeout(Duration::from_secs(3));
         endpoints.push(endpoint);
     }
-    let channel = Channel::balance_list(endpoints.into_iter());
+    let members = Arc::new(Members {
+        channels: endpoints.into_iter().map(|e| e.connect_lazy()).collect(),
+        current: Default::default(),
+    });
     let prefix = settings.prefix.clone().into_bytes();
     let mirror = Arc::new(RwLock::new(Mirror::default()));
     let (applied_tx, applied) = watch::channel(0i64);
-    let mut kv = KvClient::new(channel.clone());
-    tokio::time::timeout(CALL_TIMEOUT, load(&mut kv, &prefix, &mirror, &applied_tx))
-        .await
+    // The first member that answers.
+    let mut loaded = Err(anyhow::anyhow!("no etcd member given"));
+    for _ in 0..members.len() {
+        let (member, channel) = members.current();
+        let mut kv = KvClient::new(channel);
+        let r =
+            tokio::time::timeout(CALL_TIMEOUT, load(&mut kv, &prefix, &mirror, &applied_tx)).await;
+        let unreached = matches!(&r, Ok(Err(s)) if unreachable(s));
+        loaded = Ok(r);
+        if !unreached {
+            break;
+        }
+        members.failed(member);
+    }
+    loaded?
         .map_err(|_| {
             anyhow::anyhow!(
                 "etcd at {} did not answer within {}s",
@@ -407,15 +613,21 @@ pub async fn open_store(settings: &EtcdSettings) -> anyhow::Result<Arc<Store>> {
             )
         })?;
     let watcher = tokio::spawn(watch_prefix(
-        channel,
+        members.clone(),
         prefix.clone(),
         mirror.clone(),
         applied_tx,
     ));
+    let cluster = Arc::new(ClusterNodes {
+        members: members.clone(),
+        prefix: prefix.clone(),
+        replica: uuid::Uuid::new_v4().to_string(),
+        mirror: mirror.clone(),
+    });
     let mut changes = applied.clone();
     let backend = EtcdBackend {
         prefix,
-        kv,
+        members,
         mirror,
         applied,
         runtime: tokio::runtime::Handle::current(),
@@ -437,5 +649,5 @@ pub async fn open_store(settings: &EtcdSettings) -> anyhow::Result<Arc<Store>> {
             }
         }
     });
-    Ok(store)
+    Ok(EtcdStore { store, cluster })
 }

@@ -110,6 +110,8 @@ pub struct ServeOptions {
     pub max_watch_streams: usize,
     /// `--max-message-bytes`.
     pub max_message_bytes: usize,
+    /// With the etcd store: the data planes of the other replicas, and where to share this one's.
+    pub cluster: Option<Arc<etcd::ClusterNodes>>,
 }
 
 impl Default for ServeOptions {
@@ -121,6 +123,7 @@ impl Default for ServeOptions {
             tls: None,
             max_watch_streams: 4096,
             max_message_bytes: 4 << 20,
+            cluster: None,
         }
     }
 }
@@ -189,14 +192,15 @@ pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOption
         None => None,
     };
     let tls = config.tls()?;
-    let store = if config.etcd_endpoints.is_empty() {
-        open_store(&config.data_dir)?
+    let (store, cluster) = if config.etcd_endpoints.is_empty() {
+        (open_store(&config.data_dir)?, None)
     } else {
-        etcd::open_store(&etcd::EtcdSettings {
+        let etcd = etcd::open(&etcd::EtcdSettings {
             endpoints: config.etcd_endpoints.clone(),
             prefix: config.etcd_prefix.clone(),
         })
-        .await?
+        .await?;
+        (etcd.store, Some(etcd.cluster))
     };
     let metrics_listener = match config.metrics_listen {
         Some(addr) => Some(
@@ -213,6 +217,7 @@ pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOption
         tls,
         max_watch_streams: config.max_watch_streams as usize,
         max_message_bytes: config.max_message_bytes as usize,
+        cluster,
     };
     Ok((store, options))
 }
@@ -300,6 +305,10 @@ pub async fn serve_with(
         .auth
         .as_ref()
         .map(|tokens| tokens.spawn_reload("auth token file"));
+    let sharing = options.cluster.clone().map(|cluster| {
+        let stop = stop_rx.clone();
+        tokio::spawn(cluster.share(nodes.clone(), stop))
+    });
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = options.tls {
         builder = builder
@@ -311,10 +320,10 @@ pub async fn serve_with(
         .layer(rpc_layer::RpcLayer::new(rpc_stats))
         .layer(auth::AuthLayer::new(options.auth))
         .add_service(
-            proto::control_plane_server::ControlPlaneServer::new(ControlPlaneService::new(
-                store.clone(),
-                nodes.clone(),
-            ))
+            proto::control_plane_server::ControlPlaneServer::new(
+                ControlPlaneService::new(store.clone(), nodes.clone())
+                    .with_cluster(options.cluster),
+            )
             .max_decoding_message_size(max_message),
         )
         .add_service(
@@ -333,6 +342,9 @@ pub async fn serve_with(
         })
         .await;
     if let Some(t) = token_reload {
+        t.abort();
+    }
+    if let Some(t) = sharing {
         t.abort();
     }
     reaper.abort();

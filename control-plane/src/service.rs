@@ -20,11 +20,23 @@ use crate::store::{Store, StoreError};
 pub struct ControlPlaneService {
     store: Arc<Store>,
     nodes: Arc<NodeRegistry>,
+    /// With the etcd store: the other replicas' data planes, for rollout status.
+    cluster: Option<Arc<crate::etcd::ClusterNodes>>,
 }
 
 impl ControlPlaneService {
     pub fn new(store: Arc<Store>, nodes: Arc<NodeRegistry>) -> Self {
-        Self { store, nodes }
+        Self {
+            store,
+            nodes,
+            cluster: None,
+        }
+    }
+
+    /// Reports the data planes of the other replicas too (etcd store).
+    pub fn with_cluster(mut self, cluster: Option<Arc<crate::etcd::ClusterNodes>>) -> Self {
+        self.cluster = cluster;
+        self
     }
 
     async fn blocking<T, F>(&self, f: F) -> Result<T, Status>
@@ -239,19 +251,20 @@ impl ControlPlane for ControlPlaneService {
             .await?;
         record_version(view.current_version);
         let endpoint_version = view.endpoint.routing_table_version;
-        let data_planes = self
+        let local = self
             .nodes
             .snapshot()
             .into_iter()
             .map(|(node_id, s)| DataPlaneStatus {
                 node_id,
                 applied_version: s.applied_version,
-                up_to_date: s.applied_version >= endpoint_version,
+                up_to_date: false,
                 connected: s.streams > 0,
                 last_seen_unix_ms: s.last_seen_unix_ms,
                 last_nack: s.last_nack,
-            })
-            .collect();
+            });
+        let others = self.cluster.iter().flat_map(|c| c.others());
+        let data_planes = merge_data_planes(local.chain(others), endpoint_version);
         Ok(Response::new(DescribeEndpointResponse {
             endpoint: Some(view.endpoint),
             endpoint_config: Some(view.config),
@@ -350,4 +363,34 @@ impl ControlPlane for ControlPlaneService {
         record_version(self.published_version());
         Ok(Response::new(DeregisterInstanceResponse {}))
     }
+}
+
+/// One status per data plane from every replica's reports (a router that moved between replicas
+/// appears on both): the most recently seen report, connected if any replica has its stream.
+fn merge_data_planes(
+    all: impl Iterator<Item = DataPlaneStatus>,
+    endpoint_version: u64,
+) -> Vec<DataPlaneStatus> {
+    let mut by_node: std::collections::BTreeMap<String, DataPlaneStatus> = Default::default();
+    for s in all {
+        match by_node.get_mut(&s.node_id) {
+            Some(seen) => {
+                let connected = seen.connected || s.connected;
+                if s.last_seen_unix_ms > seen.last_seen_unix_ms {
+                    *seen = s;
+                }
+                seen.connected = connected;
+            }
+            None => {
+                by_node.insert(s.node_id.clone(), s);
+            }
+        }
+    }
+    by_node
+        .into_values()
+        .map(|mut s| {
+            s.up_to_date = s.applied_version >= endpoint_version;
+            s
+        })
+        .collect()
 }

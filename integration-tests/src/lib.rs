@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: start the real servers (in-process on
 //! `127.0.0.1:0`, or as child processes of the built binaries) and build API requests.
 
+pub mod etcd;
 pub mod fault;
 
 use std::net::SocketAddr;
@@ -12,6 +13,10 @@ use proto::control_plane_client::ControlPlaneClient;
 use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
+
+/// Set to etcd client URLs, [`InProcessControlPlane`] keeps its state in etcd instead of sled
+/// (how `tests/etcd.rs` runs the control-plane contract suite a second time).
+pub const ETCD_SUITE_ENV: &str = "PREFIX_ROUTER_TEST_ETCD_ENDPOINTS";
 
 /// A control plane running in this process on a loopback port.
 pub struct InProcessControlPlane {
@@ -52,7 +57,23 @@ impl InProcessControlPlane {
             None
         };
         let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
-        let store = control_plane::open_store(data_dir).expect("open store");
+        let store = match std::env::var(ETCD_SUITE_ENV) {
+            // The contract suite on the etcd store: one prefix per data dir, so a restart on the
+            // same dir finds its state, as with sled.
+            Ok(endpoints) if !endpoints.is_empty() => {
+                let prefix = format!(
+                    "/suite/{:016x}/",
+                    xxhash_rust::xxh3::xxh3_64(data_dir.as_os_str().as_encoded_bytes())
+                );
+                control_plane::etcd::open_store(&control_plane::etcd::EtcdSettings {
+                    endpoints: endpoints.split(',').map(str::to_string).collect(),
+                    prefix,
+                })
+                .await
+                .expect("open the etcd store")
+            }
+            _ => control_plane::open_store(data_dir).expect("open store"),
+        };
         let (tx, rx) = oneshot::channel::<()>();
         let options = control_plane::ServeOptions {
             lease_check_interval: lease_check,

@@ -1,0 +1,476 @@
+//! Control-plane replicas over a real 3-member etcd cluster on loopback (the `etcd` binary of
+//! the distribution's `etcd-server` package; skipped with a message when it is missing, except
+//! under `CI=true`): updates reach routers on every replica, concurrent writers lose nothing,
+//! routers fail over when a replica dies, etcd member loss, instance leases across replicas, and
+//! the control-plane contract suite run again on the etcd store.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use integration_tests::etcd::EtcdCluster;
+use integration_tests::{require_tool, variant, wait_for, ChildServer, ETCD_SUITE_ENV};
+use proto::client::Client;
+use proto::RoutingStrategy;
+use tonic::Code;
+
+/// One cluster at a time: these tests time failovers, and 2 cores run them.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn etcd_here(test: &str) -> bool {
+    require_tool(test, integration_tests::etcd::available())
+}
+
+fn replica(cluster: &EtcdCluster, prefix: &str, extra: &[&str]) -> ChildServer {
+    let endpoints = cluster.endpoints();
+    let mut args = vec![
+        "--etcd-endpoints",
+        &endpoints,
+        "--etcd-prefix",
+        prefix,
+        "--lease-check-interval-ms",
+        "200",
+    ];
+    args.extend_from_slice(extra);
+    ChildServer::start("control-plane", &args).unwrap()
+}
+
+fn router(control_planes: &str, node: &str) -> ChildServer {
+    ChildServer::start(
+        "data-plane",
+        &[
+            "--control-plane",
+            control_planes,
+            "--node-id",
+            node,
+            "--default-endpoint",
+            "ep",
+        ],
+    )
+    .unwrap()
+}
+
+async fn sdk(url: &str) -> Client {
+    Client::connect(url.to_string()).await.unwrap()
+}
+
+/// `GET path` on a server: status and body.
+async fn get(server: &ChildServer, path: &str) -> (u16, String) {
+    request(server, "GET", path, "").await
+}
+
+async fn request(server: &ChildServer, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let Ok(mut s) = tokio::net::TcpStream::connect(server.addr).await else {
+        return (0, String::new());
+    };
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return (0, String::new());
+    }
+    let mut reply = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), s.read_to_string(&mut reply)).await;
+    let status = reply
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = reply.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (status, body)
+}
+
+async fn table_version(server: &ChildServer) -> Option<u64> {
+    let (status, body) = get(server, "/readyz").await;
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    (status == 200)
+        .then(|| v["table_version"].as_u64())
+        .flatten()
+}
+
+async fn chat(server: &ChildServer, n: u64) -> u16 {
+    let body = serde_json::json!({
+        "model": "m", "max_tokens": 2,
+        "messages": [{"role": "user", "content": format!("question {n}")}],
+    })
+    .to_string();
+    request(server, "POST", "/v1/chat/completions", &body)
+        .await
+        .0
+}
+
+/// The endpoint `ep` over one engine-sim, created through `c`.
+async fn endpoint(c: &Client) -> ChildServer {
+    let engine = ChildServer::start("engine-sim", &["--time-scale", "0.01"]).unwrap();
+    let url = engine.url();
+    c.create_endpoint_config(
+        "cfg",
+        vec![variant("v1", RoutingStrategy::PrefixAware, &[&url])],
+    )
+    .await
+    .unwrap();
+    c.create_endpoint("ep", "cfg").await.unwrap();
+    engine
+}
+
+#[tokio::test]
+async fn an_update_through_one_replica_reaches_the_routers_of_every_replica() {
+    if !etcd_here("etcd replicas") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cluster = EtcdCluster::start(3).await;
+    let a = replica(&cluster, "/t1/", &[]);
+    let b = replica(&cluster, "/t1/", &[]);
+    let (ca, cb) = (sdk(&a.url()).await, sdk(&b.url()).await);
+    let _engine = endpoint(&ca).await;
+    let dp1 = router(&a.url(), "dp-a");
+    let dp2 = router(&b.url(), "dp-b");
+    for dp in [&dp1, &dp2] {
+        wait_for("a table", Duration::from_secs(10), || table_version(dp)).await;
+    }
+
+    let mut lags = Vec::new();
+    for i in 0..5 {
+        let strategy = if i % 2 == 0 {
+            RoutingStrategy::Random
+        } else {
+            RoutingStrategy::PrefixAware
+        };
+        let sent = Instant::now();
+        let version = ca
+            .set_variant_routing_strategy("cfg", "v1", strategy, None)
+            .await
+            .unwrap()
+            .routing_table_version;
+        wait_for(
+            "replica B's router to apply it",
+            Duration::from_secs(1),
+            || async { table_version(&dp2).await.filter(|&v| v >= version) },
+        )
+        .await;
+        lags.push(sent.elapsed());
+    }
+    eprintln!("update via A -> router on B: {lags:?}");
+
+    // Either replica reports both routers as up to date.
+    for (name, c) in [("A", &ca), ("B", &cb)] {
+        wait_for(
+            "both routers in the rollout status",
+            Duration::from_secs(5),
+            || async {
+                let d = c.describe_endpoint("ep").await.ok()?;
+                let ids: Vec<_> = d
+                    .data_planes
+                    .iter()
+                    .filter(|p| p.connected && p.up_to_date)
+                    .map(|p| p.node_id.as_str())
+                    .collect();
+                (ids.contains(&"dp-a") && ids.contains(&"dp-b")).then_some(())
+            },
+        )
+        .await;
+        eprintln!("replica {name}: both routers ACKed");
+    }
+}
+
+#[tokio::test]
+async fn concurrent_updates_through_two_replicas_lose_nothing() {
+    if !etcd_here("etcd replicas") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cluster = EtcdCluster::start(3).await;
+    let a = replica(&cluster, "/t2/", &[]);
+    let b = replica(&cluster, "/t2/", &[]);
+    let ca = sdk(&a.url()).await;
+    let _engine = endpoint(&ca).await;
+    let writers = [a.url(), b.url()].map(|url| {
+        tokio::spawn(async move {
+            let c = sdk(&url).await;
+            let mut out = Vec::new();
+            for i in 0..10u32 {
+                let mut v = variant("v1", RoutingStrategy::Random, &["http://127.0.0.1:9"]);
+                v.initial_variant_weight = Some(1.0 + i as f32);
+                let r = c.update_endpoint_config("cfg", vec![v], None).await;
+                out.push(r.map(|u| (u.endpoint_config.revision, u.routing_table_version)));
+            }
+            out
+        })
+    });
+    let mut revisions = Vec::new();
+    let mut versions = Vec::new();
+    for w in writers {
+        for r in w.await.unwrap() {
+            match r {
+                Ok((rev, ver)) => {
+                    revisions.push(rev);
+                    versions.push(ver);
+                }
+                Err(e) => assert_eq!(e.code(), Some(Code::Aborted), "{e}"),
+            }
+        }
+    }
+    let n = revisions.len();
+    revisions.sort_unstable();
+    versions.sort_unstable();
+    revisions.dedup();
+    versions.dedup();
+    assert_eq!(revisions.len(), n, "a config revision was given out twice");
+    assert_eq!(
+        versions.len(),
+        n,
+        "a routing-table version was given out twice"
+    );
+    let latest = ca.describe_endpoint_config("cfg", None).await.unwrap();
+    assert_eq!(
+        latest.latest_revision,
+        1 + n as u64,
+        "every acknowledged update is a revision"
+    );
+    eprintln!(
+        "{n} of 20 concurrent updates applied, revisions 2..={}",
+        1 + n
+    );
+}
+
+#[tokio::test]
+async fn a_router_moves_to_the_next_replica_when_its_replica_dies() {
+    if !etcd_here("etcd replicas") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cluster = EtcdCluster::start(3).await;
+    let mut a = replica(&cluster, "/t3/", &[]);
+    let b = replica(&cluster, "/t3/", &[]);
+    let cb = sdk(&b.url()).await;
+    let _engine = endpoint(&cb).await;
+    let dp = Arc::new(router(&format!("{},{}", a.url(), b.url()), "dp-1"));
+    let first = wait_for("a table", Duration::from_secs(10), || table_version(&dp)).await;
+
+    // Load, and the router's table version sampled, all along.
+    let stop = Arc::new(AtomicBool::new(false));
+    let failed = Arc::new(AtomicU64::new(0));
+    let sent = Arc::new(AtomicU64::new(0));
+    let load = {
+        let (dp, stop, failed, sent) = (dp.clone(), stop.clone(), failed.clone(), sent.clone());
+        tokio::spawn(async move {
+            let mut last = 0;
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                if chat(&dp, n).await != 200 {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+                if let Some(v) = table_version(&dp).await {
+                    assert!(v >= last, "the table version went back from {last} to {v}");
+                    last = v;
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.kill9();
+    let killed = Instant::now();
+    wait_for(
+        "the router on replica B",
+        Duration::from_secs(2),
+        || async {
+            let d = cb.describe_endpoint("ep").await.ok()?;
+            d.data_planes
+                .iter()
+                .any(|p| p.node_id == "dp-1" && p.connected)
+                .then_some(())
+        },
+    )
+    .await;
+    let moved = killed.elapsed();
+    let version = cb
+        .set_variant_routing_strategy("cfg", "v1", RoutingStrategy::Random, None)
+        .await
+        .unwrap()
+        .routing_table_version;
+    wait_for("the update through B", Duration::from_secs(2), || async {
+        table_version(&dp).await.filter(|&v| v >= version)
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    load.await.unwrap();
+    let (sent, failed) = (sent.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("router moved to B {moved:?} after A's SIGKILL; {sent} requests, {failed} failed; version {first} -> {version}");
+    assert_eq!(failed, 0, "requests failed during the failover");
+}
+
+#[tokio::test]
+async fn writes_survive_one_etcd_member_and_stop_clearly_without_quorum() {
+    if !etcd_here("etcd replicas") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let mut cluster = EtcdCluster::start(3).await;
+    let a = replica(&cluster, "/t4/", &[]);
+    let ca = sdk(&a.url()).await;
+    let _engine = endpoint(&ca).await;
+    let dp = router(&a.url(), "dp-1");
+    wait_for("a table", Duration::from_secs(10), || table_version(&dp)).await;
+
+    // A follower dies: writes go on at once.
+    let leader = cluster.leader().await.expect("a leader");
+    let follower = (leader + 1) % 3;
+    cluster.kill(follower);
+    let one_down = ca
+        .set_variant_routing_strategy("cfg", "v1", RoutingStrategy::Random, None)
+        .await
+        .expect("a write with one member down");
+    // Then the leader: one member of three is no quorum.
+    cluster.kill(leader);
+    let e = ca
+        .set_variant_routing_strategy("cfg", "v1", RoutingStrategy::PrefixAware, None)
+        .await
+        .expect_err("no quorum, no write");
+    eprintln!("without quorum: {e}");
+    assert_eq!(e.code(), Some(Code::Unavailable), "{e}");
+    assert!(
+        e.to_string().contains("etcd"),
+        "the message names etcd: {e}"
+    );
+    assert_eq!(chat(&dp, 1).await, 200, "the router keeps serving");
+    assert_eq!(
+        ca.describe_endpoint_config("cfg", None)
+            .await
+            .unwrap()
+            .latest_revision,
+        one_down.endpoint_config.revision,
+        "reads go on from the replica's mirror"
+    );
+
+    cluster.restart(follower).await;
+    cluster.restart(leader).await;
+    let after = wait_for("writes to resume", Duration::from_secs(20), || async {
+        ca.set_variant_routing_strategy("cfg", "v1", RoutingStrategy::PrefixAware, None)
+            .await
+            .ok()
+    })
+    .await;
+    assert!(after.endpoint_config.revision > one_down.endpoint_config.revision);
+    let d = ca
+        .describe_endpoint_config("cfg", Some(one_down.endpoint_config.revision))
+        .await;
+    assert!(
+        d.is_ok(),
+        "the write acknowledged with one member down is kept: {d:?}"
+    );
+}
+
+#[tokio::test]
+async fn instance_leases_outlive_their_replica_and_expire_when_nobody_renews() {
+    if !etcd_here("etcd replicas") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cluster = EtcdCluster::start(3).await;
+    let mut a = replica(&cluster, "/t5/", &[]);
+    let b = replica(&cluster, "/t5/", &[]);
+    let (ca, cb) = (sdk(&a.url()).await, sdk(&b.url()).await);
+    let _engine = endpoint(&ca).await;
+    let inst = ca
+        .register_instance("ep", "v1", "http://127.0.0.1:19", 2)
+        .await
+        .unwrap();
+    a.kill9();
+    let registered = |c: &Client| {
+        let c = c.clone();
+        async move {
+            c.describe_endpoint("ep")
+                .await
+                .map(|d| d.registered_instances.len())
+                .unwrap_or(usize::MAX)
+        }
+    };
+    // Renewed through B for 4 s (twice the TTL): still there.
+    for _ in 0..8 {
+        cb.renew_instance_lease(&inst.instance_id).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(registered(&cb).await, 1, "a renewed lease expired");
+    }
+    // Nobody renews: gone within the TTL and a reaper tick or two.
+    let last = Instant::now();
+    wait_for("the lease to expire", Duration::from_secs(4), || async {
+        (registered(&cb).await == 0).then_some(())
+    })
+    .await;
+    eprintln!(
+        "lease of 2 s expired {:?} after the last renewal",
+        last.elapsed()
+    );
+    let e = cb
+        .renew_instance_lease(&inst.instance_id)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::NotFound));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_contract_suite_passes_on_etcd_too() {
+    if !etcd_here("etcd contract suite") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cluster = EtcdCluster::start(3).await;
+    // The suite's test binary, built beside this one by the same `cargo test` (the control-plane
+    // crate's own binaries share the name prefix: the suite is the one that lists its tests).
+    let deps = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let mut candidates: Vec<_> = std::fs::read_dir(&deps)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with("control_plane-") && p.extension().is_none()
+        })
+        .collect();
+    candidates.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+    let suite = candidates.into_iter().rev().find(|p| {
+        std::process::Command::new(p)
+            .args(["--list", "--format", "terse"])
+            .output()
+            .is_ok_and(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .contains("reconnect_with_current_version_gets_no_resend: test")
+            })
+    });
+    let Some(suite) = suite else {
+        panic!(
+            "the control_plane test binary is not built in {}",
+            deps.display()
+        );
+    };
+    let endpoints = cluster.endpoints();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&suite)
+            .env(ETCD_SUITE_ENV, endpoints)
+            .output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary = text
+        .lines()
+        .filter(|l| l.starts_with("test result"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    eprintln!("control-plane suite on etcd: {summary}");
+    assert!(out.status.success(), "the suite failed on etcd:\n{text}");
+}
