@@ -449,15 +449,7 @@ impl Router {
                 () = deadline.as_mut() => Err(()),
             } {
                 Err(_) => {
-                    let msg = format!(
-                        "no response from {} within the request timeout",
-                        instance.address()
-                    );
-                    record_failure(&upstream, "timeout");
-                    // No head within the whole deadline: a stalled instance, as far as passive
-                    // health can tell (not retried: the deadline is spent).
-                    self.count_failure(instance);
-                    return self.routed_error(table, &route, 504, &msg, "timeout_error");
+                    return self.timed_out(table, &route, &upstream, "response");
                 }
                 Ok(Ok((response, mut conn))) if !response.status().is_server_error() => {
                     // A success for passive health once the body has ended, too (a body
@@ -472,13 +464,7 @@ impl Router {
                             biased;
                             first = first_frame(&mut conn, &mut incoming) => first,
                             () = deadline.as_mut() => {
-                                let msg = format!(
-                                    "no response body from {} within the request timeout",
-                                    instance.address()
-                                );
-                                record_failure(&upstream, "timeout");
-                                self.count_failure(instance);
-                                return self.routed_error(table, &route, 504, &msg, "timeout_error");
+                                return self.timed_out(table, &route, &upstream, "response body");
                             }
                         }
                     };
@@ -539,6 +525,25 @@ impl Router {
                 }
             };
         }
+    }
+
+    /// 504: no `what` from the instance within the request's deadline. A stalled instance, as far
+    /// as passive health can tell (not retried: the deadline is spent).
+    fn timed_out(
+        &self,
+        table: &RoutingTable,
+        route: &Route<'_>,
+        upstream: &Span,
+        what: &str,
+    ) -> Response<ResponseBody> {
+        let instance = &route.variant.instances()[route.instance];
+        let msg = format!(
+            "no {what} from {} within the request timeout",
+            instance.address()
+        );
+        record_failure(upstream, "timeout");
+        self.count_failure(instance);
+        self.routed_error(table, route, 504, &msg, "timeout_error")
     }
 
     /// A failed exchange, for passive health: ejects the instance after repeated failures.
