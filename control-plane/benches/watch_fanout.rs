@@ -3,7 +3,12 @@
 //! Run: `cargo bench -p control-plane --bench watch_fanout` (env `WATCHERS`, `ROUNDS` to change
 //! the size). Each watcher has its own HTTP/2 connection and decodes every table it receives, as a
 //! data plane does. Prints the median and p90/max over the rounds, measured two ways: from the
-//! moment the update RPC was sent and from the moment it returned.
+//! moment the update RPC was sent and from the moment it returned; then `WRITES` (200) updates
+//! in a row, as writes per second.
+//!
+//! With `ETCD=http://127.0.0.1:2379[,...]` it runs again on the etcd store, with two control-plane
+//! replicas and the watchers spread over both (updates go through the first), so sled and etcd
+//! are measured in one run.
 
 use std::time::{Duration, Instant};
 
@@ -49,21 +54,53 @@ async fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--list") {
         return Ok(());
     }
+    run(None).await?;
+    if let Ok(etcd) = std::env::var("ETCD") {
+        run(Some(etcd)).await?;
+    }
+    Ok(())
+}
+
+/// One control plane on sled, or (with etcd URLs) two replicas on etcd.
+async fn run(etcd: Option<String>) -> anyhow::Result<()> {
     let watchers = env_usize("WATCHERS", 100);
     let rounds = env_usize("ROUNDS", 30);
+    let writes = env_usize("WRITES", 200);
     let dir = tempfile::tempdir()?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let store = control_plane::open_store(dir.path())?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(control_plane::serve_store(
-        listener,
-        store,
-        Duration::from_secs(1),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let mut urls = Vec::new();
+    let mut stops = Vec::new();
+    let mut servers = Vec::new();
+    let prefix = format!("/bench-{}/", uuid_like());
+    for _ in 0..if etcd.is_some() { 2 } else { 1 } {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        urls.push(format!("http://{}", listener.local_addr()?));
+        let (store, cluster) = match &etcd {
+            None => (control_plane::open_store(dir.path())?, None),
+            Some(endpoints) => {
+                let s = control_plane::etcd::open(&control_plane::etcd::EtcdSettings {
+                    endpoints: endpoints.split(',').map(str::to_string).collect(),
+                    prefix: prefix.clone(),
+                })
+                .await?;
+                (s.store, Some(s.cluster))
+            }
+        };
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push(stop_tx);
+        let options = control_plane::ServeOptions {
+            cluster,
+            ..control_plane::ServeOptions::default()
+        };
+        servers.push(tokio::spawn(control_plane::serve_with(
+            listener,
+            store,
+            options,
+            async move {
+                let _ = stop_rx.await;
+            },
+        )));
+    }
+    let url = urls[0].clone();
 
     let mut c = ControlPlaneClient::connect(url.clone()).await?;
     c.create_endpoint_config(CreateEndpointConfigRequest {
@@ -83,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
 
     let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<(u64, Instant)>();
     for n in 0..watchers {
-        let url = url.clone();
+        let url = urls[n % urls.len()].clone();
         let seen = seen_tx.clone();
         tokio::spawn(async move {
             let mut client = RoutingDiscoveryClient::connect(url).await.expect("connect");
@@ -152,20 +189,52 @@ async fn main() -> anyhow::Result<()> {
     from_send.sort();
     from_return.sort();
     println!(
-        "watch_fanout: {watchers} watchers, {rounds} updates (7-instance PREFIX_AWARE variant)"
+        "watch_fanout on {}: {watchers} watchers, {rounds} updates (7-instance PREFIX_AWARE variant)",
+        match &etcd {
+            None => "sled, 1 control plane".to_string(),
+            Some(_) => format!("etcd, {} replicas (watchers spread over them)", urls.len()),
+        }
     );
     for (name, v) in [
         ("from update sent", &from_send),
         ("from update returned", &from_return),
     ] {
         println!(
-            "  {name:>22}: p50 {:>8.2} ms  p90 {:>8.2} ms  max {:>8.2} ms",
+            "  {name:>22}: p50 {:>8.2} ms  p90 {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms",
             pct(v, 0.5).as_secs_f64() * 1e3,
             pct(v, 0.9).as_secs_f64() * 1e3,
+            pct(v, 0.99).as_secs_f64() * 1e3,
             v.last().unwrap().as_secs_f64() * 1e3
         );
     }
-    let _ = stop_tx.send(());
-    let _ = server.await;
+    // Writes per second: updates in a row, each waited for.
+    let started = Instant::now();
+    for i in 0..writes {
+        c.update_endpoint_config(UpdateEndpointConfigRequest {
+            endpoint_config_name: "cfg".into(),
+            production_variants: variants(rounds + 1 + i % 5),
+            expected_revision: None,
+        })
+        .await?;
+    }
+    let per_s = writes as f64 / started.elapsed().as_secs_f64();
+    println!("  UpdateEndpointConfig: {writes} in a row, {per_s:.0} writes/s");
+    for stop in stops {
+        let _ = stop.send(());
+    }
+    for server in servers {
+        let _ = server.await;
+    }
     Ok(())
+}
+
+/// A prefix of its own for each run (etcd keeps state between runs).
+fn uuid_like() -> String {
+    format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    )
 }
