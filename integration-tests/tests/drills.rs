@@ -321,7 +321,7 @@ async fn garbage_server(mode: Garbage) -> std::net::SocketAddr {
                         Garbage::Invalid => b"SPDY/9 wat\r\n\x00\x01garbage\r\n\r\n",
                         Garbage::ServerError => b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 52\r\n\r\n{\"error\":{\"message\":\"boom\",\"type\":\"server_error\"}}  ",
                         Garbage::TruncatedChunked if stream => b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n16\r\ndata: {\"choices\":[]}\n\n\r\n",
-                        Garbage::TruncatedChunked => b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n10\r\n{\"id\":\"x\",\"choi\r\n",
+                        Garbage::TruncatedChunked => b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\nf\r\n{\"id\":\"x\",\"choi\r\n",
                     };
                     if s.write_all(reply).await.is_err() {
                         return;
