@@ -80,6 +80,7 @@ async fn run(etcd: Option<String>) -> anyhow::Result<()> {
                 let s = control_plane::etcd::open(&control_plane::etcd::EtcdSettings {
                     endpoints: endpoints.split(',').map(str::to_string).collect(),
                     prefix: prefix.clone(),
+                    tls: Default::default(),
                 })
                 .await?;
                 (s.store, Some(s.cluster))

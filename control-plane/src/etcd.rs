@@ -62,6 +62,8 @@ const SEE_OWN_WRITE: Duration = Duration::from_secs(2);
 pub struct EtcdSettings {
     pub endpoints: Vec<String>,
     pub prefix: String,
+    /// For `https://` endpoints: the CA to trust and, for client-certificate auth, ours.
+    pub tls: proto::client::TlsOptions,
 }
 
 /// The etcd members, one connection each (made lazily), used one at a time: a call that cannot
@@ -568,8 +570,18 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
     }
     let mut endpoints = Vec::with_capacity(settings.endpoints.len());
     for url in &settings.endpoints {
-        let endpoint = tonic::transport::Endpoint::from_shared(url.clone())
-            .with_context(|| format!("bad --etcd-endpoints URL {url:?}"))?
+        let mut endpoint = tonic::transport::Endpoint::from_shared(url.clone())
+            .with_context(|| format!("bad --etcd-endpoints URL {url:?}"))?;
+        if let Some(tls) = settings
+            .tls
+            .for_url(url)
+            .with_context(|| format!("etcd endpoint {url}"))?
+        {
+            endpoint = endpoint
+                .tls_config(tls)
+                .with_context(|| format!("TLS settings for etcd endpoint {url}"))?;
+        }
+        let endpoint = endpoint
             .connect_timeout(Duration::from_secs(2))
             .keep_alive_while_idle(true)
             .http2_keep_alive_interval(Duration::from_secs(5))

@@ -60,6 +60,16 @@ pub struct Config {
     /// Key prefix of this control plane's state in etcd.
     #[arg(long, default_value = "/prefix-router/", value_name = "PREFIX")]
     pub etcd_prefix: String,
+    /// PEM CA certificate of etcd's https:// client URLs (default: the system's roots).
+    #[arg(long, value_name = "PEM")]
+    pub etcd_ca_cert: Option<PathBuf>,
+    /// PEM client certificate for an etcd that requires one (--client-cert-auth), with
+    /// --etcd-key.
+    #[arg(long, value_name = "PEM", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+    /// PEM private key of --etcd-cert.
+    #[arg(long, value_name = "PEM", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
     /// How often expired instance leases are looked for, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub lease_check_interval_ms: u64,
@@ -195,9 +205,15 @@ pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOption
     let (store, cluster) = if config.etcd_endpoints.is_empty() {
         (open_store(&config.data_dir)?, None)
     } else {
+        let tls = proto::client::TlsOptions::from_files(
+            config.etcd_ca_cert.as_deref(),
+            config.etcd_cert.as_deref().zip(config.etcd_key.as_deref()),
+        )
+        .context("etcd TLS (--etcd-ca-cert, --etcd-cert, --etcd-key)")?;
         let etcd = etcd::open(&etcd::EtcdSettings {
             endpoints: config.etcd_endpoints.clone(),
             prefix: config.etcd_prefix.clone(),
+            tls,
         })
         .await?;
         (etcd.store, Some(etcd.cluster))

@@ -68,6 +68,7 @@ impl InProcessControlPlane {
                 control_plane::etcd::open_store(&control_plane::etcd::EtcdSettings {
                     endpoints: endpoints.split(',').map(str::to_string).collect(),
                     prefix,
+                    tls: Default::default(),
                 })
                 .await
                 .expect("open the etcd store")

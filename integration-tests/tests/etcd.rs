@@ -474,3 +474,121 @@ async fn the_control_plane_contract_suite_passes_on_etcd_too() {
     eprintln!("control-plane suite on etcd: {summary}");
     assert!(out.status.success(), "the suite failed on etcd:\n{text}");
 }
+
+/// A CA and a certificate for `names` it signed, as PEM files in `dir`: (ca, cert, key).
+fn pki(
+    dir: &std::path::Path,
+    names: &[&str],
+) -> (
+    std::path::PathBuf,
+    [(std::path::PathBuf, std::path::PathBuf); 2],
+) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let write = |name: &str, pem: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let leaf = |tag: &str, names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        (
+            write(&format!("{tag}.pem"), cert.pem()),
+            write(&format!("{tag}.key"), key.serialize_pem()),
+        )
+    };
+    let server = leaf("server", names.iter().map(|n| n.to_string()).collect());
+    let client = leaf("client", vec!["control-plane".to_string()]);
+    (write("ca.pem", ca.pem()), [server, client])
+}
+
+#[tokio::test]
+async fn the_control_plane_reaches_etcd_over_mutual_tls() {
+    if !etcd_here("etcd over TLS") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, [(cert, key), (client_cert, client_key)]) =
+        pki(dir.path(), &["localhost", "127.0.0.1"]);
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (client_port, peer_port) = (free(), free());
+    let url = format!("https://localhost:{client_port}");
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let mut etcd = std::process::Command::new("etcd")
+        .args(["--name", "tls0", "--data-dir", &s(&dir.path().join("data"))])
+        .args([
+            "--listen-client-urls",
+            &format!("https://127.0.0.1:{client_port}"),
+        ])
+        .args(["--advertise-client-urls", &url])
+        .args([
+            "--listen-peer-urls",
+            &format!("http://127.0.0.1:{peer_port}"),
+        ])
+        .args([
+            "--initial-advertise-peer-urls",
+            &format!("http://127.0.0.1:{peer_port}"),
+        ])
+        .args([
+            "--initial-cluster",
+            &format!("tls0=http://127.0.0.1:{peer_port}"),
+        ])
+        .args(["--cert-file", &s(&cert), "--key-file", &s(&key)])
+        .args(["--trusted-ca-file", &s(&ca), "--client-cert-auth"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let tls = [
+        "--etcd-endpoints",
+        &url,
+        "--etcd-ca-cert",
+        &s(&ca),
+        "--etcd-cert",
+        &s(&client_cert),
+        "--etcd-key",
+        &s(&client_key),
+    ];
+    let cp = wait_for(
+        "the control plane on TLS etcd",
+        Duration::from_secs(20),
+        || async { ChildServer::start("control-plane", &tls).ok() },
+    )
+    .await;
+    let c = sdk(&cp.url()).await;
+    c.create_endpoint_config(
+        "cfg",
+        vec![variant(
+            "v1",
+            RoutingStrategy::Random,
+            &["http://127.0.0.1:9"],
+        )],
+    )
+    .await
+    .expect("a write through mutual TLS");
+    // Without our certificate etcd refuses us: the control plane does not start.
+    let refused = ChildServer::start(
+        "control-plane",
+        &["--etcd-endpoints", &url, "--etcd-ca-cert", &s(&ca)],
+    );
+    let Err(e) = refused else {
+        panic!("a control plane without a client certificate started")
+    };
+    eprintln!("without a client certificate: {e}");
+    assert!(e.to_string().contains("etcd"), "{e}");
+    let _ = etcd.kill();
+    let _ = etcd.wait();
+}
