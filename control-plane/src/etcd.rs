@@ -317,7 +317,7 @@ impl Backend for EtcdBackend {
         Ok(self.read().entries.get(&self.tree_key(tree, key)).cloned())
     }
 
-    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<crate::store::Entries, StoreError> {
         let start = self.tree_key(tree, prefix);
         let skip = self.tree_key(tree, b"").len();
         Ok(self

@@ -142,11 +142,14 @@ pub(crate) enum Op {
     Del(TreeId, Vec<u8>),
 }
 
+/// Keys and values of a scan, in key order.
+pub(crate) type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// Where the state lives: reads, and atomic durable commits.
 pub(crate) trait Backend: Send + Sync {
     fn get(&self, tree: TreeId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
     /// Every `(key, value)` of `tree` whose key starts with `prefix`, in key order.
-    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError>;
+    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Entries, StoreError>;
     /// Commits `ops` all or nothing, durably. [`StoreError::Conflict`] when another writer
     /// committed since this backend's reads were last brought up to date.
     fn commit(&self, ops: &[Op]) -> Result<(), StoreError>;
@@ -196,7 +199,7 @@ impl Backend for SledBackend {
         Ok(self.tree(tree).get(key)?.map(|v| v.to_vec()))
     }
 
-    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Entries, StoreError> {
         self.tree(tree)
             .scan_prefix(prefix)
             .map(|kv| {

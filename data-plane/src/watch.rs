@@ -145,7 +145,7 @@ pub(crate) async fn run(
         let url = &urls[current];
         let result = watch_once(
             &router,
-            &url,
+            url,
             &node_id,
             cache.as_deref(),
             &credentials,

@@ -609,7 +609,7 @@ fn check_install(install: &str, objects: &[Value], helps: &mut Helps) -> Tally {
         let claims: BTreeSet<&str> = w.object["spec"]
             .get("volumeClaimTemplates")
             .and_then(Value::as_sequence)
-            .map(|c| c.iter().map(|c| name(c)).collect())
+            .map(|c| c.iter().map(name).collect())
             .unwrap_or_default();
         for claim in &claims {
             volume_files.insert(claim, None);
