@@ -37,8 +37,11 @@ async fn run(config: Config) -> ExitCode {
         }
     };
     match listener.local_addr() {
-        // The same line as the other servers', for scripts and tests that start it on port 0.
-        Ok(addr) => eprintln!("engine-sim listening on {addr}"),
+        Ok(addr) => {
+            tracing::info!(%addr, model = %config.model_name, "engine-sim listening");
+            // The same line as the other servers', for scripts and tests that start it on port 0.
+            eprintln!("engine-sim listening on {addr}");
+        }
         Err(e) => tracing::info!(error = %e, "engine-sim listening (address unknown)"),
     }
     match engine_sim::serve(listener, config, shutdown_signal()).await {
