@@ -1119,19 +1119,6 @@ mod tests {
         prompt_key(BodyKind::OpenAi, body.as_bytes(), limit, DEFAULT_SEED)
     }
 
-    /// A chat with a long system prompt and `turns` user turns; `content_first` puts each
-    /// message's `content` before its `role`.
-    fn conversation(user: &str, turns: usize, content_first: bool) -> String {
-        let system = "Answer as the handbook says; cite the section. ".repeat(60);
-        let message = |role: &str, content: &str| {
-            let content = serde_json::to_string(content).unwrap();
-            if content_first {
-                format!(r#"{{"content":{content},"role":"{role}"}}"#)
-            } else {
-                format!(r#"{{"role":"{role}","content":{content}}}"#)
-            }
-        };
-        let mut messages = vec![message("system", &system)];
     #[test]
     fn embeddings_input_is_keyed_like_a_prompt() {
         let input = chat(r#"{"model":"e","input":"The handbook, section 4"}"#, 64);
@@ -1190,6 +1177,19 @@ mod tests {
         assert_eq!(responses(raw, 1000).source, KeySource::Raw);
     }
 
+    /// A chat with a long system prompt and `turns` user turns; `content_first` puts each
+    /// message's `content` before its `role`.
+    fn conversation(user: &str, turns: usize, content_first: bool) -> String {
+        let system = "Answer as the handbook says; cite the section. ".repeat(60);
+        let message = |role: &str, content: &str| {
+            let content = serde_json::to_string(content).unwrap();
+            if content_first {
+                format!(r#"{{"content":{content},"role":"{role}"}}"#)
+            } else {
+                format!(r#"{{"role":"{role}","content":{content}}}"#)
+            }
+        };
+        let mut messages = vec![message("system", &system)];
         for t in 0..turns {
             if t > 0 {
                 messages.push(message("assistant", "Done."));
