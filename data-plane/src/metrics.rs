@@ -4,9 +4,11 @@
 //! a table is built and reused by the next table for routes that are still there.
 
 use std::fmt::Write as _;
+
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
+use telemetry::exposition::Exposition;
 
 use crate::placement::Decision;
 use crate::table::RoutingTable;
@@ -92,26 +94,19 @@ impl Histogram {
         self.buckets.iter().map(|b| b.load(Relaxed)).sum()
     }
 
-    fn render(&self, name: &str, help: &str, out: &mut String) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (i, bucket) in self.buckets.iter().enumerate() {
-            cumulative += bucket.load(Relaxed);
-            match DECISION_BUCKETS_NS.get(i) {
-                Some(&ns) => {
-                    let _ = writeln!(
-                        out,
-                        "{name}_bucket{{le=\"{}\"}} {cumulative}",
-                        ns as f64 / 1e9
-                    );
-                }
-                None => {
-                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
-                }
-            }
-        }
-        let _ = writeln!(out, "{name}_sum {}", self.sum_ns.load(Relaxed) as f64 / 1e9);
-        let _ = writeln!(out, "{name}_count {cumulative}");
+    /// Adds this histogram (no labels) to `out` as `name`.
+    fn describe(&self, name: &str, help: &str, out: &mut Exposition) {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let finite = DECISION_BUCKETS_NS
+            .iter()
+            .zip(&counts)
+            .map(|(&ns, &n)| (ns as f64 / 1e9, n));
+        out.histogram(name, help).buckets(
+            &[],
+            finite,
+            counts[DECISION_BUCKETS_NS.len()],
+            self.sum_ns.load(Relaxed) as f64 / 1e9,
+        );
     }
 }
 
@@ -145,152 +140,161 @@ impl Metrics {
         self.unrouted[status_slot(status)].fetch_add(1, Relaxed);
     }
 
-    /// The Prometheus text exposition.
+    /// The Prometheus text exposition (encoded by the `prometheus` crate, see
+    /// [`telemetry::exposition`]).
     pub fn render(&self, table: Option<&RoutingTable>, prefix_index_entries: usize) -> String {
-        let mut out = String::with_capacity(4096);
-        out.push_str(
-            "# HELP prefix_router_requests_total Requests by endpoint, variant, instance, routing decision and response status.\n\
-             # TYPE prefix_router_requests_total counter\n",
+        let mut out = Exposition::new();
+        let mut status = String::new();
+        let mut requests = out.counter(
+            "prefix_router_requests_total",
+            "Requests by endpoint, variant, instance, routing decision and response status.",
         );
-        let mut line = String::new();
         for (slot, count) in self.unrouted.iter().enumerate() {
             let n = count.load(Relaxed);
             if n > 0 {
-                line.clear();
-                slot_label(slot, &mut line);
-                let _ = writeln!(
-                    out,
-                    "prefix_router_requests_total{{endpoint=\"\",variant=\"\",instance=\"\",decision=\"none\",status=\"{line}\"}} {n}"
+                status.clear();
+                slot_label(slot, &mut status);
+                requests.sample(
+                    &[
+                        ("endpoint", ""),
+                        ("variant", ""),
+                        ("instance", ""),
+                        ("decision", "none"),
+                        ("status", &status),
+                    ],
+                    n as f64,
                 );
             }
         }
-        let mut in_flight = String::new();
-        let mut ejected = String::new();
-        let now = crate::load::now_ms();
-        if let Some(table) = table {
-            for endpoint in table.endpoints() {
-                for variant in endpoint.variants() {
-                    for instance in variant.instances() {
-                        let labels = format!(
-                            "endpoint=\"{}\",variant=\"{}\",instance=\"{}\"",
-                            escape(endpoint.name()),
-                            escape(variant.name()),
-                            escape(instance.address())
-                        );
-                        for decision in Decision::ALL {
-                            for slot in 0..STATUS_SLOTS {
-                                let n = instance.stats().counts
-                                    [decision as usize * STATUS_SLOTS + slot]
-                                    .load(Relaxed);
-                                if n > 0 {
-                                    line.clear();
-                                    slot_label(slot, &mut line);
-                                    let _ = writeln!(
-                                        out,
-                                        "prefix_router_requests_total{{{labels},decision=\"{}\",status=\"{line}\"}} {n}",
-                                        decision.as_str()
-                                    );
-                                }
-                            }
-                        }
-                        let _ = writeln!(
-                            in_flight,
-                            "prefix_router_instance_in_flight{{{labels}}} {}",
-                            instance.state().outstanding()
-                        );
-                        let _ = writeln!(
-                            ejected,
-                            "prefix_router_instance_ejected{{{labels}}} {}",
-                            u8::from(instance.state().is_ejected(now))
+        let routes = || {
+            table.into_iter().flat_map(|t| {
+                t.endpoints().flat_map(|e| {
+                    e.variants()
+                        .iter()
+                        .flat_map(move |v| v.instances().iter().map(move |i| (e, v, i)))
+                })
+            })
+        };
+        for (endpoint, variant, instance) in routes() {
+            for decision in Decision::ALL {
+                for slot in 0..STATUS_SLOTS {
+                    let n = instance.stats().counts[decision as usize * STATUS_SLOTS + slot]
+                        .load(Relaxed);
+                    if n > 0 {
+                        status.clear();
+                        slot_label(slot, &mut status);
+                        requests.sample(
+                            &[
+                                ("endpoint", endpoint.name()),
+                                ("variant", variant.name()),
+                                ("instance", instance.address()),
+                                ("decision", decision.as_str()),
+                                ("status", &status),
+                            ],
+                            n as f64,
                         );
                     }
                 }
             }
         }
-        out.push_str(
-            "# HELP prefix_router_instance_in_flight Requests in flight per instance (until the response body ends).\n\
-             # TYPE prefix_router_instance_in_flight gauge\n",
+        let mut in_flight = out.gauge(
+            "prefix_router_instance_in_flight",
+            "Requests in flight per instance (until the response body ends).",
         );
-        out.push_str(&in_flight);
-        out.push_str(
-            "# HELP prefix_router_instance_ejected 1 while passive health keeps the instance out of placement.\n\
-             # TYPE prefix_router_instance_ejected gauge\n",
+        for (endpoint, variant, instance) in routes() {
+            in_flight.sample(
+                &[
+                    ("endpoint", endpoint.name()),
+                    ("variant", variant.name()),
+                    ("instance", instance.address()),
+                ],
+                instance.state().outstanding() as f64,
+            );
+        }
+        let now = crate::load::now_ms();
+        let mut ejected = out.gauge(
+            "prefix_router_instance_ejected",
+            "1 while passive health keeps the instance out of placement.",
         );
-        out.push_str(&ejected);
-        self.decision.render(
+        for (endpoint, variant, instance) in routes() {
+            ejected.sample(
+                &[
+                    ("endpoint", endpoint.name()),
+                    ("variant", variant.name()),
+                    ("instance", instance.address()),
+                ],
+                f64::from(u8::from(instance.state().is_ejected(now))),
+            );
+        }
+        self.decision.describe(
             "prefix_router_route_decision_seconds",
             "Routing decision latency: body parse, prefix hash and instance choice.",
             &mut out,
         );
-        let gauges: [(&str, &str, &str, u64); 7] = [
+        let gauges: [(&str, bool, &str, u64); 7] = [
             (
                 "prefix_router_table_version",
-                "gauge",
+                false,
                 "Version of the routing table being served (0 = none).",
                 self.table_version.load(Relaxed),
             ),
             (
                 "prefix_router_tables_applied_total",
-                "counter",
+                true,
                 "Routing tables applied (ACKed or loaded from the cache).",
                 self.tables_applied.load(Relaxed),
             ),
             (
                 "prefix_router_tables_rejected_total",
-                "counter",
+                true,
                 "Routing tables rejected (NACKed) as invalid.",
                 self.tables_rejected.load(Relaxed),
             ),
             (
                 "prefix_router_control_plane_connected",
-                "gauge",
+                false,
                 "1 while the routing-table watch stream is up.",
                 self.control_plane_connected.load(Relaxed),
             ),
             (
                 "prefix_router_retries_total",
-                "counter",
+                true,
                 "Requests retried on another instance after a connect error or 5xx.",
                 self.retries.load(Relaxed),
             ),
             (
                 "prefix_router_ejections_total",
-                "counter",
+                true,
                 "Instances ejected after repeated failures.",
                 self.ejections.load(Relaxed),
             ),
             (
                 "prefix_router_prefix_index_entries",
-                "gauge",
+                false,
                 "Entries in the local prefix index (spilled keys).",
                 prefix_index_entries as u64,
             ),
         ];
-        for (name, kind, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-            );
+        for (name, counter, help, value) in gauges {
+            let mut family = if counter {
+                out.counter(name, help)
+            } else {
+                out.gauge(name, help)
+            };
+            family.sample(&[], value as f64);
         }
-        out.push_str(
-            "# HELP prefix_router_worker_connections Open client connections per worker thread.\n\
-             # TYPE prefix_router_worker_connections gauge\n",
+        let mut workers = out.gauge(
+            "prefix_router_worker_connections",
+            "Open client connections per worker thread.",
         );
         for (worker, open) in self.worker_connections.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "prefix_router_worker_connections{{worker=\"{worker}\"}} {}",
-                open.load(Relaxed)
+            workers.sample(
+                &[("worker", &worker.to_string())],
+                open.load(Relaxed) as f64,
             );
         }
-        out
+        out.render()
     }
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -315,8 +319,9 @@ mod tests {
         h.observe(Duration::from_nanos(900));
         h.observe(Duration::from_micros(3));
         h.observe(Duration::from_secs(1));
-        let mut out = String::new();
-        h.render("x", "help", &mut out);
+        let mut e = Exposition::new();
+        h.describe("x", "help", &mut e);
+        let out = e.render();
         assert!(out.contains("x_bucket{le=\"0.000001\"} 1\n"), "{out}");
         assert!(out.contains("x_bucket{le=\"0.000003\"} 2\n"), "{out}");
         assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");

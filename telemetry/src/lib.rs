@@ -39,6 +39,7 @@ use tracing_subscriber::layer::{Context, Filter, SubscriberExt as _};
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{Layer as _, Registry};
 
+pub mod exposition;
 pub mod propagation;
 
 /// How long dropping the [`Guard`] waits for the last spans to be exported.
