@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +17,8 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
+
+use telemetry::exposition::Exposition;
 
 use crate::discovery::NodeRegistry;
 use crate::store::Store;
@@ -113,23 +114,22 @@ pub struct MetricsSource {
 }
 
 impl MetricsSource {
-    /// The Prometheus text exposition.
+    /// The Prometheus text exposition (encoded by the `prometheus` crate, see
+    /// [`telemetry::exposition`]).
     pub fn render(&self) -> String {
-        let mut out = String::with_capacity(4096);
-        self.render_rpc(&mut out);
+        let mut out = Exposition::new();
+        self.describe_rpc(&mut out);
         let current = self.store.published().version;
-        gauge(
-            &mut out,
+        out.gauge(
             "prefix_router_control_plane_routing_table_version",
             "The current routing-table version.",
-            current,
-        );
-        gauge(
-            &mut out,
+        )
+        .sample(&[], current as f64);
+        out.gauge(
             "prefix_router_control_plane_watch_streams",
             "Open WatchRoutingTable streams (data planes and other watchers).",
-            u64::from(self.nodes.connected_streams()),
-        );
+        )
+        .sample(&[], f64::from(self.nodes.connected_streams()));
         let nodes = self.nodes.snapshot();
         let per_node: [(&str, &str, NodeGauge); 3] = [
             (
@@ -149,68 +149,44 @@ impl MetricsSource {
             ),
         ];
         for (name, help, value) in per_node {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            let mut family = out.gauge(name, help);
             for (node_id, status) in &nodes {
-                let _ = writeln!(
-                    out,
-                    "{name}{{node_id=\"{}\"}} {}",
-                    escape(node_id),
-                    value(current, status)
-                );
+                family.sample(&[("node_id", node_id)], value(current, status) as f64);
             }
         }
-        out
+        out.render()
     }
 
-    fn render_rpc(&self, out: &mut String) {
+    fn describe_rpc(&self, out: &mut Exposition) {
         let calls = self
             .rpc
             .calls
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        out.push_str(
-            "# HELP prefix_router_control_plane_rpc_requests_total gRPC calls handled, by service, method and code.\n\
-             # TYPE prefix_router_control_plane_rpc_requests_total counter\n",
+        let mut requests = out.counter(
+            "prefix_router_control_plane_rpc_requests_total",
+            "gRPC calls handled, by service, method and code.",
         );
         for ((service, method, code), s) in &calls {
-            let _ = writeln!(
-                out,
-                "prefix_router_control_plane_rpc_requests_total{{service=\"{service}\",method=\"{method}\",code=\"{code}\"}} {}",
-                s.count
+            requests.sample(
+                &[("service", service), ("method", method), ("code", code)],
+                s.count as f64,
             );
         }
-        let name = "prefix_router_control_plane_rpc_duration_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} gRPC call latency to the response head (for streams: until the stream opened), by service, method and code.\n# TYPE {name} histogram"
+        let mut durations = out.histogram(
+            "prefix_router_control_plane_rpc_duration_seconds",
+            "gRPC call latency to the response head (for streams: until the stream opened), by service, method and code.",
         );
         for ((service, method, code), s) in &calls {
-            let labels = format!("service=\"{service}\",method=\"{method}\",code=\"{code}\"");
-            let mut cumulative = 0;
-            for (i, bound) in BUCKETS.iter().enumerate() {
-                cumulative += s.buckets[i];
-                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
-            }
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", s.count);
-            let _ = writeln!(out, "{name}_sum{{{labels}}} {}", s.sum_seconds);
-            let _ = writeln!(out, "{name}_count{{{labels}}} {}", s.count);
+            durations.buckets(
+                &[("service", service), ("method", method), ("code", code)],
+                BUCKETS.iter().copied().zip(s.buckets.iter().copied()),
+                s.buckets[BUCKETS.len()],
+                s.sum_seconds,
+            );
         }
     }
-}
-
-fn gauge(out: &mut String, name: &str, help: &str, value: u64) {
-    let _ = writeln!(
-        out,
-        "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-    );
-}
-
-/// A label value with `\`, `"` and newlines escaped.
-fn escape(v: &str) -> String {
-    v.replace('\\', r"\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// Serves `GET /metrics` on `listener` until `shutdown` completes.
@@ -304,6 +280,5 @@ mod tests {
             text.contains("prefix_router_control_plane_watch_streams 0\n"),
             "{text}"
         );
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }
