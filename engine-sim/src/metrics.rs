@@ -3,9 +3,10 @@
 //!
 //! TTFT is observed in wall-clock seconds as a client sees it, i.e. after `--time-scale`.
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
+
+use telemetry::exposition::Exposition;
 
 use crate::engine::Engine;
 
@@ -49,120 +50,91 @@ impl Histogram {
     }
 }
 
-/// Escapes a Prometheus label value.
-fn escape_label(v: &str) -> String {
-    let mut out = String::with_capacity(v.len());
-    for c in v.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-/// The whole exposition of one engine.
+/// The whole exposition of one engine (encoded by the `prometheus` crate, see
+/// [`telemetry::exposition`]).
 pub(crate) fn render(engine: &Engine) -> String {
     let s = engine.stats();
-    let model = escape_label(&engine.config().model_name);
-    let labels = format!("model_name=\"{model}\"");
-    let mut out = String::with_capacity(4096);
-    let mut metric = |name: &str, kind: &str, help: &str, value: &dyn std::fmt::Display| {
-        let _ = write!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}\n"
-        );
-    };
-    metric(
-        "vllm:num_requests_running",
-        "gauge",
-        "Number of requests in model execution batches.",
-        &s.running,
-    );
-    metric(
-        "vllm:num_requests_waiting",
-        "gauge",
-        "Number of requests waiting to be processed.",
-        &s.waiting,
-    );
-    metric(
-        "vllm:kv_cache_usage_perc",
-        "gauge",
-        "KV-cache usage. 1 means 100 percent usage.",
-        &s.kv_cache_usage,
-    );
-    metric(
-        "vllm:prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        &s.prefix_cache_queries,
-    );
-    metric(
-        "vllm:prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        &s.prefix_cache_hits,
-    );
-    metric(
-        "vllm:prompt_tokens_total",
-        "counter",
-        "Number of prefill tokens processed.",
-        &s.prompt_tokens,
-    );
-    metric(
-        "vllm:generation_tokens_total",
-        "counter",
-        "Number of generation tokens processed.",
-        &s.generation_tokens,
-    );
-    metric(
-        "vllm:request_success_total",
-        "counter",
-        "Count of successfully processed requests.",
-        &s.requests_succeeded,
-    );
-    metric(
-        "engine_sim_requests_total",
-        "counter",
-        "Completion requests received by this engine, any outcome.",
-        &s.requests_total,
-    );
-    metric(
-        "engine_sim_injected_failures_total",
-        "counter",
-        "Completion requests answered 500 by --fail-rate.",
-        &s.failures_injected,
-    );
-    metric(
-        "engine_sim_cached_blocks",
-        "gauge",
-        "KV-cache blocks holding a cached prefix, pinned or evictable.",
-        &s.cached_blocks,
-    );
-
-    let h = &engine.ttft;
-    let name = "vllm:time_to_first_token_seconds";
-    let _ = write!(
-        out,
-        "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram\n"
-    );
-    let mut cumulative = 0;
-    for (i, count) in h.counts.iter().enumerate() {
-        cumulative += count.load(Relaxed);
-        match h.bounds.get(i) {
-            Some(le) => {
-                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le:?}\"}} {cumulative}");
-            }
-            None => {
-                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
-            }
-        }
+    let model = engine.config().model_name.as_str();
+    let labels = [("model_name", model)];
+    let mut out = Exposition::new();
+    let gauges: [(&str, &str, f64); 4] = [
+        (
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            s.running as f64,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            s.waiting as f64,
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            s.kv_cache_usage as f64,
+        ),
+        (
+            "engine_sim_cached_blocks",
+            "KV-cache blocks holding a cached prefix, pinned or evictable.",
+            s.cached_blocks as f64,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        out.gauge(name, help).sample(&labels, value);
     }
-    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum_seconds());
-    let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
-    out
+    let counters: [(&str, &str, u64); 7] = [
+        (
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        ),
+        (
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            s.prompt_tokens,
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "Number of generation tokens processed.",
+            s.generation_tokens,
+        ),
+        (
+            "vllm:request_success_total",
+            "Count of successfully processed requests.",
+            s.requests_succeeded,
+        ),
+        (
+            "engine_sim_requests_total",
+            "Completion requests received by this engine, any outcome.",
+            s.requests_total,
+        ),
+        (
+            "engine_sim_injected_failures_total",
+            "Completion requests answered 500 by --fail-rate.",
+            s.failures_injected,
+        ),
+    ];
+    for (name, help, value) in counters {
+        out.counter(name, help).sample(&labels, value as f64);
+    }
+    let h = &engine.ttft;
+    let counts: Vec<u64> = h.counts.iter().map(|c| c.load(Relaxed)).collect();
+    out.histogram(
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+    )
+    .buckets(
+        &labels,
+        h.bounds.iter().copied().zip(counts.iter().copied()),
+        counts[h.bounds.len()],
+        h.sum_seconds(),
+    );
+    out.render()
 }
 
 #[cfg(test)]
@@ -179,10 +151,5 @@ mod tests {
         assert_eq!(counts, vec![1, 1, 1]);
         assert_eq!(h.count(), 3);
         assert!((h.sum_seconds() - 5.6).abs() < 1e-9);
-    }
-
-    #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }
