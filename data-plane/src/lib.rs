@@ -14,7 +14,8 @@
 //!   health (ejection after repeated failures).
 //! - `proxy`: HTTP handling and forwarding (hyper 1, pooled keep-alive connections, streamed
 //!   bodies, one retry, JSON errors, the `route` / `upstream` spans and W3C `traceparent` in and
-//!   out); [`metrics`]: Prometheus text from atomics.
+//!   out); [`metrics`]: counters and histograms in atomics, described at scrape time and
+//!   encoded by the `prometheus` crate (`telemetry::exposition`).
 //! - [`models`]: `GET /v1/models` from the routing table (every other `/v1/*` path is proxied).
 //!
 //! Invariants:
