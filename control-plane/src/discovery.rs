@@ -61,6 +61,22 @@ impl NodeRegistry {
         all
     }
 
+    /// Every node as a `DataPlaneStatus` (`up_to_date` left for the caller, who knows the
+    /// endpoint's version).
+    pub fn statuses(&self) -> Vec<proto::DataPlaneStatus> {
+        self.snapshot()
+            .into_iter()
+            .map(|(node_id, s)| proto::DataPlaneStatus {
+                node_id,
+                applied_version: s.applied_version,
+                up_to_date: false,
+                connected: s.streams > 0,
+                last_seen_unix_ms: s.last_seen_unix_ms,
+                last_nack: s.last_nack,
+            })
+            .collect()
+    }
+
     /// Number of open watch streams.
     pub fn connected_streams(&self) -> u32 {
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());

@@ -503,18 +503,7 @@ impl ClusterNodes {
                 _ = stop.changed() => return,
             }
             let shared = ReplicaNodes {
-                nodes: nodes
-                    .snapshot()
-                    .into_iter()
-                    .map(|(node_id, s)| proto::DataPlaneStatus {
-                        node_id,
-                        applied_version: s.applied_version,
-                        up_to_date: false,
-                        connected: s.streams > 0,
-                        last_seen_unix_ms: s.last_seen_unix_ms,
-                        last_nack: s.last_nack,
-                    })
-                    .collect(),
+                nodes: nodes.statuses(),
             };
             // A fresh short lease each time: the entry lives NODES_TTL_SECONDS past the last
             // write, whatever happened to earlier leases.

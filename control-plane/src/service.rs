@@ -251,20 +251,9 @@ impl ControlPlane for ControlPlaneService {
             .await?;
         record_version(view.current_version);
         let endpoint_version = view.endpoint.routing_table_version;
-        let local = self
-            .nodes
-            .snapshot()
-            .into_iter()
-            .map(|(node_id, s)| DataPlaneStatus {
-                node_id,
-                applied_version: s.applied_version,
-                up_to_date: false,
-                connected: s.streams > 0,
-                last_seen_unix_ms: s.last_seen_unix_ms,
-                last_nack: s.last_nack,
-            });
+        let local = self.nodes.statuses();
         let others = self.cluster.iter().flat_map(|c| c.others());
-        let data_planes = merge_data_planes(local.chain(others), endpoint_version);
+        let data_planes = merge_data_planes(local.into_iter().chain(others), endpoint_version);
         Ok(Response::new(DescribeEndpointResponse {
             endpoint: Some(view.endpoint),
             endpoint_config: Some(view.config),
