@@ -112,7 +112,7 @@ pub(crate) struct EtcdBackend {
     members: Arc<Members>,
     mirror: Arc<RwLock<Mirror>>,
     /// The mirror's revision, for waiting on it.
-    applied: watch::Receiver<i64>,
+    applied: watch::Sender<i64>,
     runtime: tokio::runtime::Handle,
     watcher: tokio::task::JoinHandle<()>,
 }
@@ -397,7 +397,7 @@ impl Backend for EtcdBackend {
         // Read our own write before returning: wait for the watch to bring the commit's
         // revision, or load the prefix at once if it is slow.
         let revision = resp.header.map_or(0, |h| h.revision);
-        let mut applied = self.applied.clone();
+        let mut applied = self.applied.subscribe();
         let seen = self.runtime.block_on(async {
             tokio::time::timeout(SEE_OWN_WRITE, applied.wait_for(|&r| r >= revision))
                 .await
@@ -410,17 +410,12 @@ impl Backend for EtcdBackend {
     }
 
     fn sync(&self) -> Result<(), StoreError> {
-        let (tx, _) = watch::channel(0);
-        let before = self.read().revision;
-        let revision = self.call("read", |channel| {
-            let (prefix, mirror, tx) = (self.prefix.clone(), self.mirror.clone(), tx.clone());
-            async move { load(&mut KvClient::new(channel), &prefix, &mirror, &tx).await }
-        })?;
-        if revision > before {
-            // Wake waiters as the watch would have.
-            tracing::debug!(revision, "etcd: mirror reloaded");
-        }
-        Ok(())
+        self.call("read", |channel| {
+            let (prefix, mirror) = (self.prefix.clone(), self.mirror.clone());
+            let applied = self.applied.clone();
+            async move { load(&mut KvClient::new(channel), &prefix, &mirror, &applied).await }
+        })
+        .map(drop)
     }
 
     fn flush(&self) -> Result<(), StoreError> {
@@ -583,14 +578,13 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
     });
     let prefix = settings.prefix.clone().into_bytes();
     let mirror = Arc::new(RwLock::new(Mirror::default()));
-    let (applied_tx, applied) = watch::channel(0i64);
+    let (applied, _) = watch::channel(0i64);
     // The first member that answers.
     let mut loaded = Err(anyhow::anyhow!("no etcd member given"));
     for _ in 0..members.len() {
         let (member, channel) = members.current();
         let mut kv = KvClient::new(channel);
-        let r =
-            tokio::time::timeout(CALL_TIMEOUT, load(&mut kv, &prefix, &mirror, &applied_tx)).await;
+        let r = tokio::time::timeout(CALL_TIMEOUT, load(&mut kv, &prefix, &mirror, &applied)).await;
         let unreached = matches!(&r, Ok(Err(s)) if unreachable(s));
         loaded = Ok(r);
         if !unreached {
@@ -617,7 +611,7 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
         members.clone(),
         prefix.clone(),
         mirror.clone(),
-        applied_tx,
+        applied.clone(),
     ));
     let cluster = Arc::new(ClusterNodes {
         members: members.clone(),
@@ -625,7 +619,7 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
         replica: uuid::Uuid::new_v4().to_string(),
         mirror: mirror.clone(),
     });
-    let mut changes = applied.clone();
+    let mut changes = applied.subscribe();
     let backend = EtcdBackend {
         prefix,
         members,
