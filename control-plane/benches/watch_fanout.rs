@@ -81,6 +81,7 @@ async fn run(etcd: Option<String>) -> anyhow::Result<()> {
                     endpoints: endpoints.split(',').map(str::to_string).collect(),
                     prefix: prefix.clone(),
                     tls: Default::default(),
+                    user: None,
                 })
                 .await?;
                 (s.store, Some(s.cluster))

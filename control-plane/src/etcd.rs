@@ -57,26 +57,87 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// re-reads the whole prefix instead.
 const SEE_OWN_WRITE: Duration = Duration::from_secs(2);
 
-/// `--etcd-endpoints` and `--etcd-prefix`.
+/// `--etcd-endpoints`, `--etcd-prefix` and how to authenticate to etcd.
 #[derive(Debug, Clone)]
 pub struct EtcdSettings {
     pub endpoints: Vec<String>,
     pub prefix: String,
     /// For `https://` endpoints: the CA to trust and, for client-certificate auth, ours.
     pub tls: proto::client::TlsOptions,
+    /// An etcd user (etcd with `auth enable`), `--etcd-user` and `--etcd-password-file`.
+    pub user: Option<EtcdUser>,
 }
 
+/// An etcd user name and password.
+#[derive(Clone)]
+pub struct EtcdUser {
+    pub name: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdUser")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Adds etcd's auth `token` (from `Authenticate`) to every call, once there is one.
+#[derive(Clone, Default)]
+struct Token(Arc<RwLock<Option<tonic::metadata::AsciiMetadataValue>>>);
+
+impl tonic::service::Interceptor for Token {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(t) = self.0.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            request.metadata_mut().insert("token", t.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A connection to one member, carrying the auth token.
+type EtcdChannel = tonic::service::interceptor::InterceptedService<Channel, Token>;
+
 /// The etcd members, one connection each (made lazily), used one at a time: a call that cannot
-/// reach the current member moves to the next.
+/// reach the current member moves to the next. With a user, calls carry the token `Authenticate`
+/// gave, renewed when etcd calls it invalid (etcd's tokens expire).
 struct Members {
     channels: Vec<Channel>,
     current: std::sync::atomic::AtomicUsize,
+    user: Option<EtcdUser>,
+    token: Token,
 }
 
 impl Members {
-    fn current(&self) -> (usize, Channel) {
+    fn current(&self) -> (usize, EtcdChannel) {
         let i = self.current.load(std::sync::atomic::Ordering::Relaxed) % self.channels.len();
-        (i, self.channels[i].clone())
+        (
+            i,
+            EtcdChannel::new(self.channels[i].clone(), self.token.clone()),
+        )
+    }
+
+    /// Gets a fresh token from member `i` (nothing to do without a user).
+    async fn authenticate(&self, i: usize) -> Result<(), tonic::Status> {
+        let Some(user) = &self.user else {
+            return Ok(());
+        };
+        let answer = pb::etcdserverpb::auth_client::AuthClient::new(self.channels[i].clone())
+            .authenticate(pb::etcdserverpb::AuthenticateRequest {
+                name: user.name.clone(),
+                password: user.password.clone(),
+            })
+            .await?
+            .into_inner();
+        let token = answer.token.parse().map_err(|_| {
+            tonic::Status::unauthenticated("etcd gave a token that cannot travel in metadata")
+        })?;
+        *self.token.0.write().unwrap_or_else(|e| e.into_inner()) = Some(token);
+        Ok(())
     }
 
     /// Member `i` could not be reached: use the next one (unless another call already moved).
@@ -93,6 +154,13 @@ impl Members {
     fn len(&self) -> usize {
         self.channels.len()
     }
+}
+
+/// etcd refused the call's token (expired, or none yet): authenticate and try again.
+fn token_refused(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unauthenticated
+        || status.message().contains("invalid auth token")
+        || status.message().contains("user name is empty")
 }
 
 /// A status made on this side because the member could not be reached (not an answer of etcd's).
@@ -163,17 +231,32 @@ impl EtcdBackend {
     /// `spawn_blocking`), within [`CALL_TIMEOUT`], on the first member that can be reached.
     fn call<T, F, Fut>(&self, what: &str, make: F) -> Result<T, StoreError>
     where
-        F: Fn(Channel) -> Fut,
+        F: Fn(EtcdChannel) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>>,
     {
         let mut last = String::new();
-        for _ in 0..self.members.len() {
+        let mut renewed = false;
+        for _ in 0..self.members.len() + 1 {
             let (i, channel) = self.members.current();
             let answer = self
                 .runtime
                 .block_on(async { tokio::time::timeout(CALL_TIMEOUT, make(channel)).await });
             match answer {
                 Ok(Ok(v)) => return Ok(v),
+                Ok(Err(status))
+                    if !renewed && self.members.user.is_some() && token_refused(&status) =>
+                {
+                    renewed = true;
+                    let fresh = self.runtime.block_on(async {
+                        tokio::time::timeout(CALL_TIMEOUT, self.members.authenticate(i)).await
+                    });
+                    if let Ok(Err(e)) = fresh {
+                        return Err(unavailable(
+                            what,
+                            format!("etcd refused the user: {}", e.message()),
+                        ));
+                    }
+                }
                 Ok(Err(status)) if unreachable(&status) => {
                     self.members.failed(i);
                     last = status.message().to_string();
@@ -200,7 +283,7 @@ impl EtcdBackend {
 /// Loads everything under `prefix` into `mirror` if it is newer than what the mirror holds;
 /// returns the revision read.
 async fn load(
-    kv: &mut KvClient<Channel>,
+    kv: &mut KvClient<EtcdChannel>,
     prefix: &[u8],
     mirror: &RwLock<Mirror>,
     applied: &watch::Sender<i64>,
@@ -237,6 +320,13 @@ async fn watch_prefix(
         let mut watch = WatchClient::new(channel);
         let from = match load(&mut kv, &prefix, &mirror, &applied).await {
             Ok(r) => r,
+            Err(e) if token_refused(&e) && members.user.is_some() => {
+                if let Err(e) = members.authenticate(member).await {
+                    tracing::warn!("etcd: cannot authenticate: {}; retrying", e.message());
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                continue;
+            }
             Err(e) => {
                 members.failed(member);
                 tracing::warn!(
@@ -524,6 +614,8 @@ impl ClusterNodes {
             if let Ok(Err(e)) = tokio::time::timeout(CALL_TIMEOUT, put).await {
                 if unreachable(&e) {
                     self.members.failed(member);
+                } else if token_refused(&e) {
+                    let _ = self.members.authenticate(member).await;
                 }
                 tracing::debug!(
                     "etcd: cannot share the data planes' status: {}",
@@ -575,14 +667,33 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
     let members = Arc::new(Members {
         channels: endpoints.into_iter().map(|e| e.connect_lazy()).collect(),
         current: Default::default(),
+        user: settings.user.clone(),
+        token: Token::default(),
     });
     let prefix = settings.prefix.clone().into_bytes();
     let mirror = Arc::new(RwLock::new(Mirror::default()));
     let (applied, _) = watch::channel(0i64);
-    // The first member that answers.
+    // The first member that answers (and, with a user, accepts it).
     let mut loaded = Err(anyhow::anyhow!("no etcd member given"));
     for _ in 0..members.len() {
         let (member, channel) = members.current();
+        match tokio::time::timeout(CALL_TIMEOUT, members.authenticate(member)).await {
+            Ok(Err(s)) if unreachable(&s) => {
+                members.failed(member);
+                continue;
+            }
+            Ok(Err(s)) => anyhow::bail!(
+                "etcd at {} refused user {:?}: {}",
+                settings.endpoints.join(","),
+                settings
+                    .user
+                    .as_ref()
+                    .map(|u| u.name.as_str())
+                    .unwrap_or(""),
+                s.message()
+            ),
+            _ => {}
+        }
         let mut kv = KvClient::new(channel);
         let r = tokio::time::timeout(CALL_TIMEOUT, load(&mut kv, &prefix, &mirror, &applied)).await;
         let unreached = matches!(&r, Ok(Err(s)) if unreachable(s));

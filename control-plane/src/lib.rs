@@ -70,6 +70,12 @@ pub struct Config {
     /// PEM private key of --etcd-cert.
     #[arg(long, value_name = "PEM", requires = "etcd_cert")]
     pub etcd_key: Option<PathBuf>,
+    /// etcd user, for an etcd with authentication enabled (with --etcd-password-file).
+    #[arg(long, value_name = "NAME", requires = "etcd_password_file")]
+    pub etcd_user: Option<String>,
+    /// File whose first line is --etcd-user's password.
+    #[arg(long, value_name = "PATH", requires = "etcd_user")]
+    pub etcd_password_file: Option<PathBuf>,
     /// How often expired instance leases are looked for, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub lease_check_interval_ms: u64,
@@ -210,10 +216,18 @@ pub async fn prepare(config: &Config) -> anyhow::Result<(Arc<Store>, ServeOption
             config.etcd_cert.as_deref().zip(config.etcd_key.as_deref()),
         )
         .context("etcd TLS (--etcd-ca-cert, --etcd-cert, --etcd-key)")?;
+        let user = match (&config.etcd_user, &config.etcd_password_file) {
+            (Some(name), Some(file)) => Some(etcd::EtcdUser {
+                name: name.clone(),
+                password: credentials::read_first(file).context("--etcd-password-file")?,
+            }),
+            _ => None,
+        };
         let etcd = etcd::open(&etcd::EtcdSettings {
             endpoints: config.etcd_endpoints.clone(),
             prefix: config.etcd_prefix.clone(),
             tls,
+            user,
         })
         .await?;
         (etcd.store, Some(etcd.cluster))

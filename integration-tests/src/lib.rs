@@ -69,6 +69,7 @@ impl InProcessControlPlane {
                     endpoints: endpoints.split(',').map(str::to_string).collect(),
                     prefix,
                     tls: Default::default(),
+                    user: None,
                 })
                 .await
                 .expect("open the etcd store")

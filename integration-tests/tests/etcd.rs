@@ -592,3 +592,133 @@ async fn the_control_plane_reaches_etcd_over_mutual_tls() {
     let _ = etcd.kill();
     let _ = etcd.wait();
 }
+
+#[tokio::test]
+async fn the_control_plane_logs_in_to_an_etcd_with_authentication_and_writes_past_its_token_ttl() {
+    use control_plane::etcd::pb::etcdserverpb::auth_client::AuthClient;
+    use control_plane::etcd::pb::etcdserverpb::{
+        AuthEnableRequest, AuthRoleAddRequest, AuthUserAddRequest, AuthUserGrantRoleRequest,
+    };
+    if !etcd_here("etcd with authentication") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (client_port, peer_port) = (free(), free());
+    let url = format!("http://127.0.0.1:{client_port}");
+    let mut etcd = std::process::Command::new("etcd")
+        .args(["--name", "auth0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .args([
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &format!("http://127.0.0.1:{peer_port}"),
+        ])
+        .args([
+            "--initial-advertise-peer-urls",
+            &format!("http://127.0.0.1:{peer_port}"),
+        ])
+        .args([
+            "--initial-cluster",
+            &format!("auth0=http://127.0.0.1:{peer_port}"),
+        ])
+        // Tokens that expire within the test, so the control plane must renew its own.
+        .args(["--auth-token", "simple", "--auth-token-ttl", "2"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let password = "s3cret-etcd-pw";
+    let mut auth = wait_for("etcd to answer", Duration::from_secs(20), || async {
+        AuthClient::connect(url.clone()).await.ok()
+    })
+    .await;
+    auth.role_add(AuthRoleAddRequest {
+        name: "root".into(),
+    })
+    .await
+    .unwrap();
+    auth.user_add(AuthUserAddRequest {
+        name: "root".into(),
+        password: password.into(),
+        options: None,
+    })
+    .await
+    .unwrap();
+    auth.user_grant_role(AuthUserGrantRoleRequest {
+        user: "root".into(),
+        role: "root".into(),
+    })
+    .await
+    .unwrap();
+    auth.auth_enable(AuthEnableRequest {}).await.unwrap();
+
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let right = dir.path().join("pw");
+    std::fs::write(&right, format!("{password}\n")).unwrap();
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "not-the-password\n").unwrap();
+    let refused = ChildServer::start(
+        "control-plane",
+        &[
+            "--etcd-endpoints",
+            &url,
+            "--etcd-user",
+            "root",
+            "--etcd-password-file",
+            &s(&wrong),
+        ],
+    );
+    let Err(e) = refused else {
+        panic!("a wrong etcd password was accepted")
+    };
+    eprintln!("wrong etcd password: {e}");
+    assert!(e.to_string().contains("refused user"), "{e}");
+    assert!(!e.to_string().contains("not-the-password"), "{e}");
+    let anonymous = ChildServer::start("control-plane", &["--etcd-endpoints", &url]);
+    assert!(anonymous.is_err(), "no user, no start on an etcd with auth");
+
+    let cp = ChildServer::start(
+        "control-plane",
+        &[
+            "--etcd-endpoints",
+            &url,
+            "--etcd-user",
+            "root",
+            "--etcd-password-file",
+            &s(&right),
+        ],
+    )
+    .unwrap();
+    let c = sdk(&cp.url()).await;
+    let vs = || {
+        vec![variant(
+            "v1",
+            RoutingStrategy::Random,
+            &["http://127.0.0.1:9"],
+        )]
+    };
+    c.create_endpoint_config("cfg", vs()).await.unwrap();
+    // Past the token's 2 s: the next write renews it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let updated = c.update_endpoint_config("cfg", vs(), None).await;
+    assert!(
+        updated.is_ok(),
+        "a write after the token expired: {updated:?}"
+    );
+    assert!(!cp.logs.lock().unwrap().contains(password));
+    let _ = etcd.kill();
+    let _ = etcd.wait();
+}
