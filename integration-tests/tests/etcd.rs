@@ -475,6 +475,52 @@ async fn the_control_plane_contract_suite_passes_on_etcd_too() {
     assert!(out.status.success(), "the suite failed on etcd:\n{text}");
 }
 
+/// One etcd member on loopback with `extra` flags, its client URL `scheme://host:port`; killed
+/// on drop.
+struct OneEtcd {
+    child: std::process::Child,
+    url: String,
+}
+
+impl OneEtcd {
+    fn start(data: &std::path::Path, scheme: &str, host: &str, extra: &[&str]) -> Self {
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let (client, peer) = (free(), free());
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let url = format!("{scheme}://{host}:{client}");
+        let child = std::process::Command::new("etcd")
+            .args(["--name", "one", "--data-dir"])
+            .arg(data)
+            .args([
+                "--listen-client-urls",
+                &format!("{scheme}://127.0.0.1:{client}"),
+            ])
+            .args(["--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("one={peer_url}")])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        OneEtcd { child, url }
+    }
+}
+
+impl Drop for OneEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A CA and a certificate for `names` it signed, as PEM files in `dir`: (ca, cert, key).
 fn pki(
     dir: &std::path::Path,
@@ -517,41 +563,22 @@ async fn the_control_plane_reaches_etcd_over_mutual_tls() {
     let dir = tempfile::tempdir().unwrap();
     let (ca, [(cert, key), (client_cert, client_key)]) =
         pki(dir.path(), &["localhost", "127.0.0.1"]);
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (client_port, peer_port) = (free(), free());
-    let url = format!("https://localhost:{client_port}");
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
-    let mut etcd = std::process::Command::new("etcd")
-        .args(["--name", "tls0", "--data-dir", &s(&dir.path().join("data"))])
-        .args([
-            "--listen-client-urls",
-            &format!("https://127.0.0.1:{client_port}"),
-        ])
-        .args(["--advertise-client-urls", &url])
-        .args([
-            "--listen-peer-urls",
-            &format!("http://127.0.0.1:{peer_port}"),
-        ])
-        .args([
-            "--initial-advertise-peer-urls",
-            &format!("http://127.0.0.1:{peer_port}"),
-        ])
-        .args([
-            "--initial-cluster",
-            &format!("tls0=http://127.0.0.1:{peer_port}"),
-        ])
-        .args(["--cert-file", &s(&cert), "--key-file", &s(&key)])
-        .args(["--trusted-ca-file", &s(&ca), "--client-cert-auth"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let etcd = OneEtcd::start(
+        &dir.path().join("data"),
+        "https",
+        "localhost",
+        &[
+            "--cert-file",
+            &s(&cert),
+            "--key-file",
+            &s(&key),
+            "--trusted-ca-file",
+            &s(&ca),
+            "--client-cert-auth",
+        ],
+    );
+    let url = etcd.url.clone();
     let tls = [
         "--etcd-endpoints",
         &url,
@@ -589,8 +616,7 @@ async fn the_control_plane_reaches_etcd_over_mutual_tls() {
     };
     eprintln!("without a client certificate: {e}");
     assert!(e.to_string().contains("etcd"), "{e}");
-    let _ = etcd.kill();
-    let _ = etcd.wait();
+    drop(etcd);
 }
 
 #[tokio::test]
@@ -604,42 +630,14 @@ async fn the_control_plane_logs_in_to_an_etcd_with_authentication_and_writes_pas
     }
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (client_port, peer_port) = (free(), free());
-    let url = format!("http://127.0.0.1:{client_port}");
-    let mut etcd = std::process::Command::new("etcd")
-        .args(["--name", "auth0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .args([
-            "--listen-client-urls",
-            &url,
-            "--advertise-client-urls",
-            &url,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &format!("http://127.0.0.1:{peer_port}"),
-        ])
-        .args([
-            "--initial-advertise-peer-urls",
-            &format!("http://127.0.0.1:{peer_port}"),
-        ])
-        .args([
-            "--initial-cluster",
-            &format!("auth0=http://127.0.0.1:{peer_port}"),
-        ])
-        // Tokens that expire within the test, so the control plane must renew its own.
-        .args(["--auth-token", "simple", "--auth-token-ttl", "2"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    // Tokens that expire within the test: the control plane must keep a valid one.
+    let etcd = OneEtcd::start(
+        &dir.path().join("data"),
+        "http",
+        "127.0.0.1",
+        &["--auth-token", "simple", "--auth-token-ttl", "2"],
+    );
+    let url = etcd.url.clone();
     let password = "s3cret-etcd-pw";
     let mut auth = wait_for("etcd to answer", Duration::from_secs(20), || async {
         AuthClient::connect(url.clone()).await.ok()
@@ -719,6 +717,5 @@ async fn the_control_plane_logs_in_to_an_etcd_with_authentication_and_writes_pas
         "a write after the token expired: {updated:?}"
     );
     assert!(!cp.logs.lock().unwrap().contains(password));
-    let _ = etcd.kill();
-    let _ = etcd.wait();
+    drop(etcd);
 }
