@@ -71,7 +71,7 @@ pub(crate) fn render(engine: &Engine) -> String {
         (
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            s.kv_cache_usage as f64,
+            s.kv_cache_usage,
         ),
         (
             "engine_sim_cached_blocks",
