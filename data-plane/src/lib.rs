@@ -31,6 +31,7 @@
 use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use hyper::server::conn::http1;
@@ -208,20 +209,25 @@ pub async fn serve(
                 }
             },
         };
-        let _ = stream.set_nodelay(true);
-        let Ok(stream) = stream.into_std() else {
-            continue;
-        };
-        // The worker with the fewest open connections; ties taken in turn.
-        let open = &router.metrics.worker_connections;
-        let n = handoff.len();
-        let worker = (0..n)
-            .map(|i| (next + i) % n)
-            .min_by_key(|&w| open[w].load(Relaxed))
-            .unwrap_or(0);
-        next = (worker + 1) % n;
-        open[worker].fetch_add(1, Relaxed);
-        let _ = handoff[worker].send(stream);
+        hand_off(
+            stream,
+            &handoff,
+            &router.metrics.worker_connections,
+            &mut next,
+        );
+    }
+    // Connections the kernel completed before the shutdown but nobody accepted yet: closing
+    // the listener would reset them, requests already sent included. They are served (one
+    // request each) like the connections that were accepted in time.
+    while let Poll::Ready(Ok((stream, _))) =
+        std::future::poll_fn(|cx| Poll::Ready(listener.poll_accept(cx))).await
+    {
+        hand_off(
+            stream,
+            &handoff,
+            &router.metrics.worker_connections,
+            &mut next,
+        );
     }
     drop(listener);
     drop(handoff);
@@ -237,6 +243,28 @@ pub async fn serve(
         let _ = drain_rx.recv().await;
     }
     Ok(())
+}
+
+/// Hands an accepted connection to the worker with the fewest open connections (ties taken in
+/// turn, from `next`).
+fn hand_off(
+    stream: tokio::net::TcpStream,
+    handoff: &[tokio::sync::mpsc::UnboundedSender<std::net::TcpStream>],
+    open: &[std::sync::atomic::AtomicU64],
+    next: &mut usize,
+) {
+    let _ = stream.set_nodelay(true);
+    let Ok(stream) = stream.into_std() else {
+        return;
+    };
+    let n = handoff.len();
+    let worker = (0..n)
+        .map(|i| (*next + i) % n)
+        .min_by_key(|&w| open[w].load(Relaxed))
+        .unwrap_or(0);
+    *next = (worker + 1) % n;
+    open[worker].fetch_add(1, Relaxed);
+    let _ = handoff[worker].send(stream);
 }
 
 /// One worker: serves the connections handed to it on this thread's runtime until the hand-off
@@ -333,6 +361,14 @@ async fn accept_tls(
         .flatten()
 }
 
+/// Whether a connection has begun its first request (set by the service, waited for by a
+/// drain that finds the connection still fresh).
+#[derive(Default)]
+struct FirstRequest {
+    started: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
 /// Serves one connection until it closes, or drains it once the shutdown stage is reached.
 async fn serve_connection<I>(
     io: TokioIo<I>,
@@ -343,7 +379,14 @@ async fn serve_connection<I>(
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let handler = router.clone();
-    let service = service_fn(move |req| handler.clone().handle(req));
+    let first = Arc::new(FirstRequest::default());
+    let seen = first.clone();
+    let service = service_fn(move |req| {
+        if !seen.started.swap(true, Relaxed) {
+            seen.notify.notify_one();
+        }
+        handler.clone().handle(req)
+    });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .keep_alive(true)
@@ -355,6 +398,18 @@ async fn serve_connection<I>(
     tokio::select! {
         _ = conn.as_mut() => {}
         _ = reached(stop, 1) => {
+            // A connection accepted just before the shutdown whose request has not been read
+            // yet: closing it now would reset a request the client has already sent, and the
+            // client cannot know whether to send it again. Its first request is read (within
+            // the header read timeout) and answered, then it closes.
+            if !first.started.load(Relaxed) {
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    _ = first.notify.notified() => {}
+                    _ = tokio::time::sleep(settings.header_read_timeout) => {}
+                    _ = reached(stop, 2) => return,
+                }
+            }
             conn.as_mut().graceful_shutdown();
             tokio::select! {
                 _ = conn.as_mut() => {}

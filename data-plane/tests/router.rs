@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use data_plane::Config;
@@ -908,6 +909,54 @@ async fn shutdown_drains_in_flight_requests() {
     b.release();
     let r = in_flight.await.unwrap();
     assert_eq!(r.status, 200);
+    tokio::time::timeout(WAIT, serve)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+/// A client that connected just before the shutdown and sends its request just after it (the
+/// request was on its way) gets an answer, not a reset: closing such a connection would lose a
+/// request the client cannot know whether to send again.
+#[tokio::test]
+async fn shutdown_answers_the_first_request_of_a_connection_opened_before_it() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let cp = MockControlPlane::start().await;
+    let b = Backend::start("h").await;
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &[b.url.as_str()],
+    ));
+    let mut router = RouterHandle::watching(&cp, "r").await;
+    router.wait_version(1).await;
+    let mut early = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    // Accepted or still in the listen backlog: the router must answer it either way.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let serve = router.begin_shutdown();
+    let addr = router.addr;
+    wait_until("the listener is closed", || async {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
+    let body = r#"{"model":"e","prompt":"x"}"#;
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    early.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, early.read_to_end(&mut answer))
+        .await
+        .expect("the answer comes and the connection closes")
+        .expect("an answer, not a reset");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
     tokio::time::timeout(WAIT, serve)
         .await
         .unwrap()

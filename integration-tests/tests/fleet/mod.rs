@@ -523,11 +523,19 @@ pub fn tally(outcomes: &[Outcome]) -> String {
     for o in outcomes {
         *counts.entry(o.kind.name()).or_insert(0u64) += 1;
     }
-    counts
+    let mut line = counts
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
-        .join(" ")
+        .join(" ");
+    // The first few failures in full, so a failed assertion says what went wrong.
+    for o in outcomes.iter().filter(|o| o.kind != Kind::Ok).take(3) {
+        line.push_str(&format!(
+            "\n  {:?} at {:.2?} after {:.2?} (router {}, attempt {})",
+            o.kind, o.started, o.latency, o.router, o.attempts
+        ));
+    }
+    line
 }
 
 /// The `q` quantile of the latencies of `outcomes` (0 when empty).
