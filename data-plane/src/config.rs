@@ -46,7 +46,7 @@ pub struct Config {
     /// Bounded-load factor in percent: an instance takes a key only while its in-flight count is
     /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1. (PREFIX_AWARE balances
     /// request rates by spreading hot keys; this cap only guards against bursts.)
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(100..=1000))]
+    #[arg(long, default_value_t = crate::placement::DEFAULT_BALANCE_PERCENT, value_parser = clap::value_parser!(u32).range(100..=1000))]
     pub hash_balance_factor: u32,
 
     /// PREFIX_AWARE: a hot key with 1/n of a variant's traffic is served by this many of its first
@@ -203,7 +203,7 @@ mod tests {
         assert_eq!(c.max_body_bytes, 8 << 20);
         assert_eq!(c.request_timeout_ms, 300_000);
         assert_eq!(c.prefix_index_capacity, 100_000);
-        assert_eq!(c.hash_balance_factor, 200);
+        assert_eq!(c.hash_balance_factor, 400);
         assert!(!c.resolved_node_id().is_empty());
         // one worker thread per CPU unless told
         assert_eq!(

@@ -152,6 +152,22 @@ impl KeyRates {
         }
     }
 
+    /// Counts `key` like [`KeyRates::add`]; true if it had no count yet in the current
+    /// half-window (a key whose cells all collide with other keys' is taken as seen).
+    pub fn add_first(&self, key: u64, e: Epoch) -> bool {
+        rotate(&self.epoch, e.number, |slot| {
+            for c in self.cells[slot].iter() {
+                c.store(0, Relaxed);
+            }
+        });
+        let half = &self.cells[(e.number % 2) as usize];
+        let mut first = false;
+        for c in Self::cells(key) {
+            first |= half[c].fetch_add(1, Relaxed) == 0;
+        }
+        first
+    }
+
     /// The key's requests in the window (an over-estimate when cells collide).
     pub fn value(&self, key: u64, e: Epoch) -> f64 {
         let last = self.epoch.load(Relaxed);
@@ -173,6 +189,9 @@ pub struct InstanceState {
     /// Requests this router placed on the instance recently (PREFIX_AWARE's balance measure: the
     /// request rate, which cache hits do not hide the way they hide in-flight counts).
     recent: RecentCount,
+    /// Distinct prompt keys this router placed on the instance per half-window: how many
+    /// prefixes its cache must hold (PREFIX_AWARE's footprint measure).
+    distinct: RecentCount,
     /// f64 bits of [`InstanceState::weight`]; 0 means 1.0.
     weight: AtomicU64,
     failures: AtomicU32,
@@ -194,6 +213,10 @@ impl InstanceState {
 
     pub fn recent(&self) -> &RecentCount {
         &self.recent
+    }
+
+    pub fn distinct(&self) -> &RecentCount {
+        &self.distinct
     }
 
     /// PREFIX_AWARE's weight of the instance among a cold key's first choices (1.0 until the
@@ -265,7 +288,10 @@ impl VariantLoad {
     /// Counts one placed request for `key` (and, when the request was keyed deeper, for the
     /// shallow key it was deepened from) on `instance`. True for the request that opens a new
     /// half-window (once per half-window): the caller then re-weighs the instances.
-    pub fn record(&self, instance: &InstanceState, keys: &[u64]) -> bool {
+    ///
+    /// `placed` is the request's key combined with the instance's id: the first time it is seen
+    /// in a half-window, the instance's distinct-key count grows.
+    pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> bool {
         let sequence = self.sequence.fetch_add(1, Relaxed);
         let e = Epoch::of(sequence);
         self.recent.add(e);
@@ -273,6 +299,9 @@ impl VariantLoad {
         let rates = self.key_rates();
         for &k in keys {
             rates.add(k, e);
+        }
+        if rates.add_first(placed, e) {
+            instance.distinct.add(e);
         }
         sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS)
     }

@@ -21,10 +21,13 @@
 //! - A cold key takes the best of its first three instances by weighted rendezvous score. The
 //!   weights start at 1 (the plain top choice) and are re-set every half-window from each
 //!   instance's share of requests (over its fair share: lower), so when every key is cold (flat
-//!   popularity) whole keys at the margin move, once, until shares even out.
+//!   popularity) whole keys at the margin move, once, until shares even out. The same step also
+//!   follows each instance's share of the distinct keys placed in the window (its cache
+//!   footprint): an instance that holds more prefixes than its peers overflows its cache first,
+//!   so it sheds cold keys, while hot keys' replicas keep the request shares even.
 //! - Under all of it, bounded load (Mirrokni et al.) guards against bursts: the key walks its
 //!   ranking to the first instance whose in-flight count is under
-//!   `ceil(c * (variant_in_flight + 1) / n) + 1` (c = 2 by default, `--hash-balance-factor`) and
+//!   `ceil(c * (variant_in_flight + 1) / n) + 1` (c = 4 by default, [`DEFAULT_BALANCE_PERCENT`]) and
 //!   under the variant's `concurrency_threshold`; a [`PrefixIndex`] remembers where a spilled key
 //!   went so it keeps spilling to the same second instance.
 //!
@@ -183,6 +186,8 @@ pub struct Placement {
     balance_percent: u32,
     /// [`SPREAD`] unless set (`--hot-key-spread`).
     spread: f64,
+    /// [`FOOTPRINT_GAIN`] unless set.
+    footprint_gain: f64,
     default_endpoint: Option<String>,
 }
 
@@ -196,6 +201,7 @@ impl Placement {
             index: PrefixIndex::new(prefix_index_capacity),
             balance_percent: balance_percent.clamp(100, 1000),
             spread: SPREAD,
+            footprint_gain: FOOTPRINT_GAIN,
             default_endpoint,
         }
     }
@@ -204,6 +210,13 @@ impl Placement {
     /// instance and leaves the balance to the weights.
     pub fn with_hot_key_spread(mut self, spread: f64) -> Self {
         self.spread = spread.clamp(0.0, 64.0);
+        self
+    }
+
+    /// How strongly re-weighing evens the instances' distinct keys (see [`reweigh`]); 0 evens
+    /// request shares only.
+    pub fn with_footprint_gain(mut self, gain: f64) -> Self {
+        self.footprint_gain = gain;
         self
     }
 
@@ -265,12 +278,13 @@ impl Placement {
         })?;
         if let Some(k) = key {
             let state = variant.instances()[instance].state();
+            let placed = fmix64(k ^ variant.id_hashes()[instance]);
             let new_window = match conversation {
-                Some(c) => variant.load().record(state, &[k, c.head]),
-                None => variant.load().record(state, &[k]),
+                Some(c) => variant.load().record(state, &[k, c.head], placed),
+                None => variant.load().record(state, &[k], placed),
             };
             if new_window {
-                reweigh(variant);
+                reweigh(variant, self.footprint_gain);
             }
         }
         Ok(Route {
@@ -466,6 +480,12 @@ impl Placement {
     }
 }
 
+/// The bounded-load factor c, in percent, unless `--hash-balance-factor` sets it. Request rates
+/// are balanced by hot-key replicas and weights; the in-flight cap only guards bursts, and at
+/// 200 it spilled keys whenever three of a few clients' requests wanted one instance at once,
+/// which on one-slot engines costs a cold prefill and a copy of the prefix in a second cache.
+pub const DEFAULT_BALANCE_PERCENT: u32 = 400;
+
 /// A hot key with more replicas than this in a variant of more than 64 instances is served by its
 /// top choice and this many instances drawn by its hashes, not by a sorted ranking.
 pub const WIDE_REPLICAS: usize = 16;
@@ -478,6 +498,13 @@ pub const MAX_WEIGHT: f64 = 4.0;
 pub const DEAD_ZONE: f64 = 0.004;
 /// Exponent of each re-weighing step: w *= (fair / share) ^ GAIN.
 pub const GAIN: f64 = 0.5;
+/// Exponent of the footprint part of a re-weighing step: w *= (fair / held) ^ FOOTPRINT_GAIN,
+/// where `held` is the instance's share of the distinct keys placed in the window.
+pub const FOOTPRINT_GAIN: f64 = 0.5;
+/// A share of distinct keys within this of 1/n, or within [`FOOTPRINT_DEAD_ZONE_KEYS`] keys of
+/// it, leaves the weight as it is.
+pub const FOOTPRINT_DEAD_ZONE: f64 = 0.01;
+pub const FOOTPRINT_DEAD_ZONE_KEYS: f64 = 3.0;
 
 /// Re-weighs the variant's instances at the start of a half-window, from their shares of the
 /// requests of the window that just ended: an instance over its fair share gets a lower weight,
@@ -486,7 +513,14 @@ pub const GAIN: f64 = 0.5;
 /// cannot: traffic whose keys are all cold (flat popularity), where hashing alone leaves
 /// instances several points apart. Replicas that see random samples of the same traffic measure
 /// nearly the same shares and converge on nearly the same weights.
-fn reweigh(v: &Variant) {
+///
+/// The step is multiplied by a second one from the instance's share of the distinct keys placed
+/// in the window (`footprint_gain`; 0 leaves it out): cold keys are most of the prefixes a cache
+/// holds and little of its traffic, so moving them evens the footprint, while hot keys, served
+/// by the least loaded of their replicas, keep evening the requests. Without it, the instance
+/// that gets the fewest hot-key requests takes the most cold keys, and on real engines (one-slot
+/// llama.cpp servers with a RAM prompt cache) that instance's cache overflowed first.
+fn reweigh(v: &Variant, footprint_gain: f64) {
     let load = v.load();
     let e = load.epoch();
     let total = load.recent(e);
@@ -495,12 +529,34 @@ fn reweigh(v: &Variant) {
         return;
     }
     let fair = 1.0 / n as f64;
+    let keys: f64 = v
+        .instances()
+        .iter()
+        .map(|i| i.state().distinct().value(e))
+        .sum();
     for inst in v.instances() {
         let share = inst.state().recent().value(e) / total;
-        if (share - fair).abs() < DEAD_ZONE {
+        let held = if keys > 0.0 {
+            inst.state().distinct().value(e) / keys
+        } else {
+            fair
+        };
+        let request_step = if (share - fair).abs() < DEAD_ZONE {
+            1.0
+        } else {
+            (fair / share.max(fair / 4.0)).powf(GAIN)
+        };
+        // within a few keys of fair: moving one key more or less would only swap the excess
+        let dead_zone = FOOTPRINT_DEAD_ZONE.max(FOOTPRINT_DEAD_ZONE_KEYS / keys.max(1.0));
+        let footprint_step = if (held - fair).abs() < dead_zone {
+            1.0
+        } else {
+            (fair / held.max(fair / 4.0)).powf(footprint_gain)
+        };
+        let step = request_step * footprint_step;
+        if step == 1.0 {
             continue;
         }
-        let step = (fair / share.max(fair / 4.0)).powf(GAIN);
         let w = (inst.state().weight() * step).clamp(1.0 / MAX_WEIGHT, MAX_WEIGHT);
         inst.state().set_weight(w);
         load.set_weighted();
@@ -916,6 +972,30 @@ mod tests {
     }
 
     #[test]
+    fn a_few_clients_on_one_key_do_not_spill_at_the_default_factor() {
+        // Four clients, four instances: three requests for one document in flight at once is
+        // ordinary (not a burst) and the fourth waits on the instance that has the document,
+        // where a cold prefill elsewhere would cost more. (At a factor of 200 it spilled.)
+        let t = build(RoutingStrategy::PrefixAware, &addrs(4), 1000);
+        let v = variant_of(&t);
+        let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
+        let body = chat_body("a popular document");
+        let first = p.route(&t, &req(&body)).unwrap();
+        let state = v.instances()[first.instance].state();
+        let _held: Vec<InFlight> = (0..3).map(|_| InFlight::start(state, v.load())).collect();
+        let next = p.route(&t, &req(&body)).unwrap();
+        assert_eq!(
+            (next.instance, next.decision),
+            (first.instance, Decision::PrefixHash)
+        );
+        let tighter = Placement::new(1000, 200, None);
+        assert_eq!(
+            tighter.route(&t, &req(&body)).unwrap().decision,
+            Decision::OverloadBypass
+        );
+    }
+
+    #[test]
     fn hot_key_spills_to_one_remembered_instance() {
         let t = build(RoutingStrategy::PrefixAware, &addrs(7), 1000);
         let v = variant_of(&t);
@@ -1175,19 +1255,24 @@ mod tests {
                 .fold(0.0, f64::max);
             assert!(worst <= 1.5, "seed {seed}: shares {shares:?}");
             // copies are bounded: a key never uses more instances than its share calls for
-            // (true share, plus the estimate's slack), and cold keys stay on one instance
+            // (true share, plus the estimate's slack), and cold keys stay on one instance but
+            // for the few that re-weighing moves (once: two instances)
             let mut freq = vec![0usize; 80];
             for &d in &stream[4_000..] {
                 freq[d] += 1;
             }
+            let mut moved = 0;
             for (d, set) in used.iter().enumerate() {
                 let share = freq[d] as f64 / 20_000.0;
                 let bound = replicas(share * 1.3 + 0.002, 7);
-                assert!(set.len() <= bound, "doc {d} share {share}: {set:?}");
                 if share * 7.0 < 0.15 {
-                    assert!(set.len() <= 1, "cold doc {d} share {share}: {set:?}");
+                    assert!(set.len() <= 2, "cold doc {d} share {share}: {set:?}");
+                    moved += set.len() - 1;
+                } else {
+                    assert!(set.len() <= bound, "doc {d} share {share}: {set:?}");
                 }
             }
+            assert!(moved <= 4, "seed {seed}: {moved} cold documents moved");
             assert!(
                 used[0].len() >= 4,
                 "the hottest document is spread: {:?}",
@@ -1269,6 +1354,55 @@ mod tests {
         let p = Placement::new(1000, 200, None);
         let (_, used) = route_stream(&p, &t, &zipf_stream(80, 12_000, 6), 2_000);
         assert!(used[0].len() >= 4, "{:?}", used[0]);
+    }
+
+    /// Routes `stream` over `n` instances, each with an LRU cache of `capacity` documents (a
+    /// one-slot llama.cpp server's RAM prompt cache, in documents); the hit rate after `skip`.
+    fn lru_hit_rate(
+        p: &Placement,
+        n: usize,
+        stream: &[usize],
+        skip: usize,
+        capacity: usize,
+    ) -> f64 {
+        let t = build(RoutingStrategy::PrefixAware, &addrs(n), 64);
+        let bodies: Vec<Vec<u8>> = (0..=*stream.iter().max().unwrap()).map(document).collect();
+        let mut caches: Vec<Vec<usize>> = vec![Vec::new(); n];
+        let mut hits = 0;
+        for (i, &d) in stream.iter().enumerate() {
+            let cache = &mut caches[p.route(&t, &req(&bodies[d])).unwrap().instance];
+            let hit = match cache.iter().position(|&x| x == d) {
+                Some(at) => {
+                    cache.remove(at);
+                    true
+                }
+                None => false,
+            };
+            cache.push(d);
+            if cache.len() > capacity {
+                cache.remove(0);
+            }
+            hits += usize::from(hit && i >= skip);
+        }
+        hits as f64 / (stream.len() - skip) as f64
+    }
+
+    #[test]
+    fn instances_hold_even_numbers_of_keys_so_no_cache_overflows_first() {
+        // 80 Zipf(0.8) documents on 4 instances whose caches hold 20 each: the fleet holds them
+        // all only if every instance holds its quarter. Evening requests alone leaves the
+        // instance with the fewest hot-key requests holding the most cold documents (hit
+        // 0.950-0.953 on these streams); evening the distinct keys too: 0.961-0.965.
+        for seed in [1, 2, 3] {
+            let stream = zipf_stream(80, 12_000, seed);
+            let even = lru_hit_rate(&Placement::new(1000, 400, None), 4, &stream, 6_000, 20);
+            let requests_only = Placement::new(1000, 400, None).with_footprint_gain(0.0);
+            let before = lru_hit_rate(&requests_only, 4, &stream, 6_000, 20);
+            assert!(
+                even >= 0.958,
+                "seed {seed}: hit {even} (requests only: {before})"
+            );
+        }
     }
 
     #[test]
