@@ -52,10 +52,14 @@ pub struct Config {
     /// PREFIX_AWARE: a hot key with 1/n of a variant's traffic is served by this many of its first
     /// rendezvous instances (proportionally for other shares), each request going to the least
     /// recently loaded. Wider evens out request shares; 0 keeps every key on one instance and
-    /// leaves the balance to re-weighing whole keys (better for engines that pay to switch
-    /// prompts, such as a one-slot llama-server: see BENCHMARKS.md).
+    /// leaves the balance to re-weighing whole keys.
     #[arg(long, default_value_t = 8.0, value_parser = parse_spread)]
     pub hot_key_spread: f64,
+
+    /// PREFIX_AWARE: how strongly re-weighing also evens the instances' numbers of distinct
+    /// prompt keys (their cache footprints), besides their request shares; 0 evens requests only.
+    #[arg(long, default_value_t = crate::placement::FOOTPRINT_GAIN, value_parser = parse_footprint_gain)]
+    pub footprint_gain: f64,
 
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.
     #[arg(long, default_value_t = 30_000)]
@@ -143,6 +147,15 @@ fn parse_spread(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_footprint_gain(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=2.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "invalid --footprint-gain {s:?}: expected a number in 0..=2"
+        )),
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         <Config as clap::Parser>::parse_from(["data-plane"])
@@ -183,6 +196,19 @@ impl Config {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn footprint_gain_is_range_checked() {
+        assert_eq!(Config::default().footprint_gain, 0.5);
+        let c = Config::parse_from(["data-plane", "--footprint-gain", "0"]);
+        assert_eq!(c.footprint_gain, 0.0);
+        for bad in ["-0.5", "3", "x"] {
+            let arg = format!("--footprint-gain={bad}");
+            let e = Config::try_parse_from(["data-plane", arg.as_str()]).unwrap_err();
+            assert!(e.to_string().contains("--footprint-gain"), "{e}");
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+    }
 
     #[test]
     fn hot_key_spread_is_range_checked() {

@@ -141,31 +141,23 @@ impl KeyRates {
     }
 
     pub fn add(&self, key: u64, e: Epoch) {
-        rotate(&self.epoch, e.number, |slot| {
-            for c in self.cells[slot].iter() {
-                c.store(0, Relaxed);
-            }
-        });
-        let half = &self.cells[(e.number % 2) as usize];
-        for c in Self::cells(key) {
-            half[c].fetch_add(1, Relaxed);
-        }
+        self.add_counted(key, e);
     }
 
-    /// Counts `key` like [`KeyRates::add`]; true if it had no count yet in the current
-    /// half-window (a key whose cells all collide with other keys' is taken as seen).
-    pub fn add_first(&self, key: u64, e: Epoch) -> bool {
+    /// Counts `key` like [`KeyRates::add`] and returns its count in the current half-window
+    /// before this one (an over-estimate when cells collide).
+    pub fn add_counted(&self, key: u64, e: Epoch) -> u32 {
         rotate(&self.epoch, e.number, |slot| {
             for c in self.cells[slot].iter() {
                 c.store(0, Relaxed);
             }
         });
         let half = &self.cells[(e.number % 2) as usize];
-        let mut first = false;
-        for c in Self::cells(key) {
-            first |= half[c].fetch_add(1, Relaxed) == 0;
-        }
-        first
+        Self::cells(key)
+            .into_iter()
+            .map(|c| half[c].fetch_add(1, Relaxed))
+            .min()
+            .unwrap_or(0)
     }
 
     /// The key's requests in the window (an over-estimate when cells collide).
@@ -189,8 +181,9 @@ pub struct InstanceState {
     /// Requests this router placed on the instance recently (PREFIX_AWARE's balance measure: the
     /// request rate, which cache hits do not hide the way they hide in-flight counts).
     recent: RecentCount,
-    /// Distinct prompt keys this router placed on the instance per half-window: how many
-    /// prefixes its cache must hold (PREFIX_AWARE's footprint measure).
+    /// Distinct prompt keys this router placed on the instance at least twice per half-window:
+    /// how many reused prefixes its cache must hold to hit (PREFIX_AWARE's footprint measure;
+    /// a key seen once, such as a short chat's whole prompt, is not one).
     distinct: RecentCount,
     /// f64 bits of [`InstanceState::weight`]; 0 means 1.0.
     weight: AtomicU64,
@@ -289,7 +282,7 @@ impl VariantLoad {
     /// shallow key it was deepened from) on `instance`. True for the request that opens a new
     /// half-window (once per half-window): the caller then re-weighs the instances.
     ///
-    /// `placed` is the request's key combined with the instance's id: the first time it is seen
+    /// `placed` is the request's key combined with the instance's id: the second time it is seen
     /// in a half-window, the instance's distinct-key count grows.
     pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> bool {
         let sequence = self.sequence.fetch_add(1, Relaxed);
@@ -300,7 +293,7 @@ impl VariantLoad {
         for &k in keys {
             rates.add(k, e);
         }
-        if rates.add_first(placed, e) {
+        if rates.add_counted(placed, e) == 1 {
             instance.distinct.add(e);
         }
         sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS)

@@ -186,7 +186,7 @@ pub struct Placement {
     balance_percent: u32,
     /// [`SPREAD`] unless set (`--hot-key-spread`).
     spread: f64,
-    /// [`FOOTPRINT_GAIN`] unless set.
+    /// [`FOOTPRINT_GAIN`] unless set (`--footprint-gain`).
     footprint_gain: f64,
     default_endpoint: Option<String>,
 }
@@ -216,7 +216,7 @@ impl Placement {
     /// How strongly re-weighing evens the instances' distinct keys (see [`reweigh`]); 0 evens
     /// request shares only.
     pub fn with_footprint_gain(mut self, gain: f64) -> Self {
-        self.footprint_gain = gain;
+        self.footprint_gain = gain.clamp(0.0, 2.0);
         self
     }
 

@@ -78,7 +78,8 @@ impl Router {
                 config.hash_balance_factor,
                 config.default_endpoint.clone(),
             )
-            .with_hot_key_spread(config.hot_key_spread),
+            .with_hot_key_spread(config.hot_key_spread)
+            .with_footprint_gain(config.footprint_gain),
             metrics: Metrics::with_workers(config.resolved_workers()),
             access,
             upstream_tls,

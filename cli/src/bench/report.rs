@@ -163,6 +163,7 @@ impl BenchReport {
             "concurrency_threshold": args.concurrency_threshold,
             "hash_balance_factor": args.hash_balance_factor,
             "hot_key_spread": args.hot_key_spread,
+            "footprint_gain": args.footprint_gain,
             "workload": workload,
             "date": today(),
         });
