@@ -57,7 +57,9 @@ pub struct Config {
     pub hot_key_spread: f64,
 
     /// PREFIX_AWARE: how strongly re-weighing also evens the instances' numbers of distinct
-    /// prompt keys (their cache footprints), besides their request shares; 0 evens requests only.
+    /// reused prompt keys (their cache footprints), besides their request shares; 0 (the default)
+    /// evens requests only. 0.5 helps engines whose prefix caches hold few prompts (one-slot
+    /// llama-servers) and moves more keys when instances join.
     #[arg(long, default_value_t = crate::placement::FOOTPRINT_GAIN, value_parser = parse_footprint_gain)]
     pub footprint_gain: f64,
 
@@ -199,9 +201,9 @@ mod tests {
 
     #[test]
     fn footprint_gain_is_range_checked() {
-        assert_eq!(Config::default().footprint_gain, 0.5);
-        let c = Config::parse_from(["data-plane", "--footprint-gain", "0"]);
-        assert_eq!(c.footprint_gain, 0.0);
+        assert_eq!(Config::default().footprint_gain, 0.0);
+        let c = Config::parse_from(["data-plane", "--footprint-gain", "0.5"]);
+        assert_eq!(c.footprint_gain, 0.5);
         for bad in ["-0.5", "3", "x"] {
             let arg = format!("--footprint-gain={bad}");
             let e = Config::try_parse_from(["data-plane", arg.as_str()]).unwrap_err();
