@@ -788,15 +788,28 @@ impl Store {
         })
     }
 
+    /// A registered instance. One this replica's reads do not show yet is looked up again after
+    /// bringing them up to date: with several replicas over one etcd, an instance registered
+    /// through another replica a moment ago may not have reached this one's mirror, and its
+    /// renewal must not be answered NOT_FOUND.
+    fn registered(&self, instance_id: &str) -> Result<RegisteredInstance, StoreError> {
+        let read = || -> Result<Option<RegisteredInstance>, StoreError> {
+            self.backend
+                .get(TreeId::Instances, instance_id.as_bytes())?
+                .map(|v| decode("instances", &v))
+                .transpose()
+        };
+        if let Some(inst) = read()? {
+            return Ok(inst);
+        }
+        self.backend.sync()?;
+        read()?.ok_or_else(|| not_found("instance", instance_id))
+    }
+
     pub fn renew_lease(&self, instance_id: &str) -> Result<RegisteredInstance, StoreError> {
         let _guard = self.lock();
         self.mutate(|| {
-            let mut inst: RegisteredInstance = self
-                .backend
-                .get(TreeId::Instances, instance_id.as_bytes())?
-                .map(|v| decode("instances", &v))
-                .transpose()?
-                .ok_or_else(|| not_found("instance", instance_id))?;
+            let mut inst = self.registered(instance_id)?;
             inst.lease_expires_unix_ms = now_unix_ms() + i64::from(inst.lease_ttl_seconds) * 1000;
             self.commit(
                 vec![Op::Put(
@@ -813,12 +826,7 @@ impl Store {
     pub fn deregister_instance(&self, instance_id: &str) -> Result<(), StoreError> {
         let _guard = self.lock();
         self.mutate(|| {
-            let inst: RegisteredInstance = self
-                .backend
-                .get(TreeId::Instances, instance_id.as_bytes())?
-                .map(|v| decode("instances", &v))
-                .transpose()?
-                .ok_or_else(|| not_found("instance", instance_id))?;
+            let inst = self.registered(instance_id)?;
             self.remove_instances(vec![inst])
         })
     }
