@@ -519,8 +519,9 @@ pub const FOOTPRINT_DEAD_ZONE_KEYS: f64 = 3.0;
 /// nearly the same shares and converge on nearly the same weights.
 ///
 /// The step is multiplied by a second one from the instance's share of the distinct keys placed
-/// on it at least twice in the window (`footprint_gain`; 0, the default, leaves it out): cold keys are most of the prefixes a cache
-/// holds and little of its traffic, so moving them evens the footprint, while hot keys, served
+/// on it at least twice in the window (`footprint_gain`; 0, the default, leaves it out): cold
+/// keys are most of the prefixes a cache holds and little of its traffic, so moving them evens
+/// the footprint, while hot keys, served
 /// by the least loaded of their replicas, keep evening the requests. Without it, the instance
 /// that gets the fewest hot-key requests takes the most cold keys, and on real engines (one-slot
 /// llama.cpp servers with a RAM prompt cache) that instance's cache overflowed first.
