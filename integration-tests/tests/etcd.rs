@@ -668,17 +668,20 @@ async fn the_control_plane_logs_in_to_an_etcd_with_authentication_and_writes_pas
     std::fs::write(&right, format!("{password}\n")).unwrap();
     let wrong = dir.path().join("wrong");
     std::fs::write(&wrong, "not-the-password\n").unwrap();
-    let refused = ChildServer::start(
-        "control-plane",
-        &[
-            "--etcd-endpoints",
-            &url,
-            "--etcd-user",
-            "root",
-            "--etcd-password-file",
-            &s(&wrong),
-        ],
-    );
+    let start_as_root = |password_file: &std::path::Path| {
+        ChildServer::start(
+            "control-plane",
+            &[
+                "--etcd-endpoints",
+                &url,
+                "--etcd-user",
+                "root",
+                "--etcd-password-file",
+                &s(password_file),
+            ],
+        )
+    };
+    let refused = start_as_root(&wrong);
     let Err(e) = refused else {
         panic!("a wrong etcd password was accepted")
     };
@@ -688,18 +691,7 @@ async fn the_control_plane_logs_in_to_an_etcd_with_authentication_and_writes_pas
     let anonymous = ChildServer::start("control-plane", &["--etcd-endpoints", &url]);
     assert!(anonymous.is_err(), "no user, no start on an etcd with auth");
 
-    let cp = ChildServer::start(
-        "control-plane",
-        &[
-            "--etcd-endpoints",
-            &url,
-            "--etcd-user",
-            "root",
-            "--etcd-password-file",
-            &s(&right),
-        ],
-    )
-    .unwrap();
+    let cp = start_as_root(&right).unwrap();
     let c = sdk(&cp.url()).await;
     let vs = || {
         vec![variant(
