@@ -191,6 +191,9 @@ pub struct Variant {
     salt: u64,
     header: HeaderValue,
     load: Arc<VariantLoad>,
+    /// The first half-window of `load` whose window holds only requests placed on these
+    /// instances (two after the instance set last changed).
+    footprint_from: u64,
 }
 
 impl Variant {
@@ -208,6 +211,11 @@ impl Variant {
     }
     pub fn instances(&self) -> &[Instance] {
         &self.instances
+    }
+    /// The first half-window in which PREFIX_AWARE's footprint measure covers only the current
+    /// instances.
+    pub fn footprint_from(&self) -> u64 {
+        self.footprint_from
     }
     /// `instances()[i].id_hash()`, contiguous for the rendezvous scan.
     pub fn id_hashes(&self) -> &[u64] {
@@ -431,6 +439,7 @@ impl RoutingTable {
                 sum += v.weight as f64;
                 cumulative.push(sum);
                 let name: Arc<str> = v.variant_name.as_str().into();
+                let id_hashes: Box<[u64]> = instances.iter().map(|i| i.id_hash).collect();
                 variants.push(Variant {
                     header: HeaderValue::from_str(&name).map_err(|_| {
                         TableError::ControlCharacters {
@@ -439,13 +448,18 @@ impl RoutingTable {
                         }
                     })?,
                     salt: xxh3_64(format!("{}\0{}", e.endpoint_name, v.variant_name).as_bytes()),
-                    id_hashes: instances.iter().map(|i| i.id_hash).collect(),
                     instances: instances.into_boxed_slice(),
                     name,
                     model_name: v.model_name.as_str().into(),
                     weight: v.weight,
                     strategy,
+                    footprint_from: match prev_variant {
+                        Some(pv) if pv.id_hashes == id_hashes => pv.footprint_from,
+                        Some(pv) => pv.load.epoch().number + 2,
+                        None => 0,
+                    },
                     load: prev_variant.map(|pv| pv.load.clone()).unwrap_or_default(),
+                    id_hashes,
                 });
             }
             endpoints.insert(
