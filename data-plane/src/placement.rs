@@ -1373,21 +1373,20 @@ mod tests {
 
     #[test]
     fn the_footprint_term_keeps_request_shares_within_its_slack() {
-        // Flat popularity: every key cold, so only the weights even the shares, and the
-        // footprint step pulls them towards even key counts instead. It yields once a share is
-        // FOOTPRINT_SHARE_SLACK from fair: 0.60-0.74 pt here (0.21-0.27 without the term,
-        // 0.80-0.97 if it never yielded).
+        // 300 documents of Zipf 0.6 with hot keys not spread: only the weights even the shares,
+        // and the footprint step pulls them towards even key counts instead, which here means
+        // uneven requests. It yields once a share is FOOTPRINT_SHARE_SLACK from fair: 1.11-1.32
+        // pt from fair here, 1.98-2.20 pt if it never yielded.
         for seed in [1, 2, 3] {
-            let p = Placement::new(1000, 400, None).with_footprint_gain(0.5);
-            let (shares, _) = shares_and_moves(&p, 150, 0.5, 60_000, 30_000, seed);
+            let p = Placement::new(1000, 400, None)
+                .with_footprint_gain(0.5)
+                .with_hot_key_spread(0.0);
+            let (shares, _) = shares_and_moves(&p, 300, 0.6, 60_000, 30_000, seed);
             let worst = shares
                 .iter()
                 .map(|s| (s - 1.0 / 7.0).abs() * 100.0)
                 .fold(0.0, f64::max);
-            assert!(
-                worst <= FOOTPRINT_SHARE_SLACK * 100.0 + 0.25,
-                "seed {seed}: {shares:?}"
-            );
+            assert!(worst <= 1.75, "seed {seed}: {shares:?}");
         }
     }
 
