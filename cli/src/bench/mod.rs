@@ -630,11 +630,14 @@ impl AutoscaleRun {
     }
 }
 
-/// Fraction of keys (documents) whose main instance differs between the window before `at` and
-/// the window after it. On a leave, keys that lived on the removed instance must move and are
-/// left out: the question is how many others moved.
+/// Fraction of keys (documents) that moved to a cold instance: whose main instance in the window
+/// after `at` served none of their requests in the window before it. A hot key spread over several
+/// instances whose busiest one changes among them has not moved (every one of them holds it);
+/// counting that too added the hot keys' share of the keys to every strategy's figure. On a
+/// leave, keys that lived on the removed instance must move and are left out: the question is
+/// how many others moved.
 fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option<&str>) -> f64 {
-    let main = |from: Instant, to: Instant| {
+    let served = |from: Instant, to: Instant| {
         let mut counts: HashMap<u64, HashMap<&str, u32>> = HashMap::new();
         for s in samples
             .iter()
@@ -647,27 +650,23 @@ fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option
                 .or_default() += 1;
         }
         counts
-            .into_iter()
-            .filter_map(|(k, m)| {
-                m.into_iter()
-                    .max_by_key(|x| (x.1, x.0))
-                    .map(|(i, _)| (k, i))
-            })
-            .collect::<HashMap<u64, &str>>()
     };
-    let before = main(at.checked_sub(window).unwrap_or(at), at);
+    fn main<'a>(served: &HashMap<&'a str, u32>) -> Option<&'a str> {
+        served.iter().max_by_key(|x| (*x.1, *x.0)).map(|x| *x.0)
+    }
+    let before = served(at.checked_sub(window).unwrap_or(at), at);
     // Skip the moment of the change itself: requests already in flight finish where they were.
     let settle = window / 6;
-    let after = main(at + settle, at + settle + window);
+    let after = served(at + settle, at + settle + window);
     let mut total = 0;
     let mut moved = 0;
     for (k, b) in &before {
-        if removed == Some(*b) {
+        if main(b).is_some_and(|i| removed == Some(i)) {
             continue;
         }
-        if let Some(a) = after.get(k) {
+        if let Some(a) = after.get(k).and_then(main) {
             total += 1;
-            if a != b {
+            if !b.contains_key(a) {
                 moved += 1;
             }
         }
@@ -811,6 +810,40 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<BenchArgs, clap::Error> {
         Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied())).map(|c| c.bench)
+    }
+
+    #[test]
+    fn a_key_moves_only_to_an_instance_that_did_not_serve_it() {
+        let at = Instant::now() + Duration::from_secs(100);
+        let sample = |key: u64, instance: &str, secs: f64| Sample {
+            client: 0,
+            done: at - Duration::from_secs(10) + Duration::from_secs_f64(secs + 10.0),
+            ttft: Duration::ZERO,
+            latency: Duration::ZERO,
+            output_tokens: 1,
+            instance: instance.into(),
+            affinity: key,
+            error: None,
+        };
+        let mut samples = Vec::new();
+        for t in [-5.0, -4.0, -3.0] {
+            samples.push(sample(1, "a", t)); // cold key, moves to the new instance
+            samples.push(sample(2, "a", t)); // hot key on a and b: a busiest before
+            samples.push(sample(3, "c", t)); // stays
+            samples.push(sample(4, "d", t)); // on the instance that leaves
+        }
+        samples.push(sample(2, "b", -2.0));
+        for t in [2.0, 3.0, 4.0] {
+            samples.push(sample(1, "new", t));
+            samples.push(sample(2, "b", t)); // now b is busiest: no cold start anywhere
+            samples.push(sample(3, "c", t));
+            samples.push(sample(4, "a", t));
+        }
+        let window = Duration::from_secs(6);
+        // keys 1, 2, 3 and 4: only 1 (and 4, whose instance is not gone here) found a cold one
+        assert_eq!(moved_keys(&samples, at, window, None), 0.5);
+        // when d leaves, its key must move and is left out
+        assert_eq!(moved_keys(&samples, at, window, Some("d")), 1.0 / 3.0);
     }
 
     #[test]
