@@ -479,8 +479,8 @@ impl Placement {
             // side) whose instance is over its fair share of requests goes to the less recently
             // loaded of that instance and the next in the key's ranking: otherwise a key that a
             // router happens to estimate as cold keeps its whole share on one busy instance
-            // until re-weighing, which with several routers comes only a few times an hour of
-            // traffic, moves it.
+            // until re-weighing moves it, which comes once per 2,048 of this router's requests
+            // (with four routers, three times in a long-context bench run).
             if self.spread > 0.0 && key_share * n as f64 >= WARM_SHARE && ok(first) {
                 let e = v.load().epoch();
                 let total = v.load().recent(e);
@@ -539,9 +539,9 @@ pub const DEAD_ZONE: f64 = 0.004;
 pub const GAIN: f64 = 0.5;
 /// Exponent of the footprint part of a re-weighing step: w *= (fair / held) ^ FOOTPRINT_GAIN,
 /// where `held` is the instance's share of the distinct keys placed in the window. Off by
-/// default: at 0.5 it lifted hit on 4 one-slot llama-servers from ~91% to 93.4-93.6%, but on the
-/// engine-sim suite it left sharegpt and system-prompt-chat 1.9-2.7 pt from fair (see
-/// BENCHMARKS.md).
+/// default: at 0.5 it lifted hit on 4 one-slot llama-servers whose caches overflow from
+/// 92.7-92.9% to 93.4-93.6%, made no difference where they had room, and moved 16.2% of keys on
+/// engine-sim's join against 13.8% without it (see BENCHMARKS.md).
 pub const FOOTPRINT_GAIN: f64 = 0.0;
 /// A share of distinct keys within this of 1/n, or within [`FOOTPRINT_DEAD_ZONE_KEYS`] keys of
 /// it, leaves the weight as it is.
