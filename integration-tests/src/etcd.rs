@@ -43,8 +43,21 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
-    /// Starts `n` members and waits until the cluster answers.
+    /// Starts `n` members and waits until the cluster answers. A cluster that does not (a port
+    /// chosen free was taken by a parallel test before its member bound it, and that member
+    /// exited) is stopped and started again on new ports, up to three times.
     pub async fn start(n: usize) -> Self {
+        for attempt in 1..=3 {
+            let cluster = Self::launch(n);
+            if cluster.healthy_within(Duration::from_secs(30)).await {
+                return cluster;
+            }
+            eprintln!("etcd cluster, attempt {attempt}: not healthy within 30 s; starting again on new ports");
+        }
+        panic!("timed out waiting for etcd to be healthy (3 attempts)");
+    }
+
+    fn launch(n: usize) -> Self {
         let dir = tempfile::tempdir().expect("a temp dir");
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
@@ -68,8 +81,28 @@ impl EtcdCluster {
         for i in 0..n {
             cluster.start_member(i);
         }
-        cluster.wait_healthy().await;
         cluster
+    }
+
+    /// Whether every running member reports itself healthy within `limit`.
+    async fn healthy_within(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while tokio::time::Instant::now() < deadline {
+            if self.all_healthy().await {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    }
+
+    async fn all_healthy(&self) -> bool {
+        for m in self.members.iter().filter(|m| m.child.is_some()) {
+            if !healthy(m.client).await {
+                return false;
+            }
+        }
+        true
     }
 
     fn start_member(&mut self, i: usize) {
