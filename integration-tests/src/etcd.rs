@@ -183,19 +183,8 @@ impl EtcdCluster {
 
     /// Waits until every running member reports itself healthy (it has a leader).
     pub async fn wait_healthy(&self) {
-        let running: Vec<u16> = self
-            .members
-            .iter()
-            .filter(|m| m.child.is_some())
-            .map(|m| m.client)
-            .collect();
         crate::wait_for("etcd to be healthy", Duration::from_secs(30), || async {
-            for port in &running {
-                if !healthy(*port).await {
-                    return None;
-                }
-            }
-            Some(())
+            self.all_healthy().await.then_some(())
         })
         .await;
     }
