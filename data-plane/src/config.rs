@@ -52,15 +52,16 @@ pub struct Config {
     /// PREFIX_AWARE: a hot key with 1/n of a variant's traffic is served by this many of its first
     /// rendezvous instances (proportionally for other shares), each request going to the least
     /// recently loaded. Wider evens out request shares; 0 keeps every key on one instance and
-    /// leaves the balance to re-weighing whole keys.
-    #[arg(long, default_value_t = 8.0, value_parser = parse_spread)]
+    /// leaves the balance to re-weighing whole keys. Replicas stand down by themselves while
+    /// the engines report that revisits miss (caches too small for the copies).
+    #[arg(long, default_value_t = crate::placement::DEFAULT_SPREAD, value_parser = parse_spread)]
     pub hot_key_spread: f64,
 
     /// PREFIX_AWARE: how strongly re-weighing also evens the instances' numbers of distinct
     /// reused prompt keys (their cache footprints), besides their request shares; 0 (the default)
     /// evens requests only. 0.5 helps engines whose prefix caches hold few prompts (one-slot
     /// llama-servers) and moves more keys when instances join.
-    #[arg(long, default_value_t = crate::placement::FOOTPRINT_GAIN, value_parser = parse_footprint_gain)]
+    #[arg(long, default_value_t = crate::placement::DEFAULT_FOOTPRINT_GAIN, value_parser = parse_footprint_gain)]
     pub footprint_gain: f64,
 
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.

@@ -41,6 +41,7 @@ use tokio::net::TcpListener;
 
 mod access;
 pub mod config;
+pub mod feedback;
 pub mod load;
 pub mod metrics;
 pub mod models;
@@ -51,6 +52,7 @@ mod proxy;
 pub mod table;
 mod tls;
 mod upstream;
+pub mod usage;
 mod watch;
 
 pub use config::Config;

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::feedback::Feedback;
 use crate::upstream::Pool;
 
 /// Consecutive failures (connect errors, 5xx) after which an instance is ejected.
@@ -266,6 +267,17 @@ pub struct VariantLoad {
     keys: OnceLock<KeyRates>,
     /// Some instance of the variant has a weight other than 1.
     weighted: std::sync::atomic::AtomicBool,
+    /// What the engines' reports say of PREFIX_AWARE's rules on this variant.
+    feedback: Feedback,
+}
+
+/// What [`VariantLoad::record`] saw of one placed request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// The request opened a new half-window (once per half-window): the caller re-weighs.
+    pub new_window: bool,
+    /// The same prefix was placed on the same instance before in this half-window.
+    pub revisit: bool,
 }
 
 impl VariantLoad {
@@ -279,12 +291,12 @@ impl VariantLoad {
     }
 
     /// Counts one placed request for `key` (and, when the request was keyed deeper, for the
-    /// shallow key it was deepened from) on `instance`. True for the request that opens a new
-    /// half-window (once per half-window): the caller then re-weighs the instances.
+    /// shallow key it was deepened from) on `instance`.
     ///
-    /// `placed` is the request's key combined with the instance's id: the second time it is seen
-    /// in a half-window, the instance's distinct-key count grows.
-    pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> bool {
+    /// `placed` is the cached prefix's key combined with the instance's id: seen before in the
+    /// half-window, the request is a revisit; the second time, the instance's distinct-key count
+    /// grows.
+    pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> Recorded {
         let sequence = self.sequence.fetch_add(1, Relaxed);
         let e = Epoch::of(sequence);
         self.recent.add(e);
@@ -293,10 +305,18 @@ impl VariantLoad {
         for &k in keys {
             rates.add(k, e);
         }
-        if rates.add_counted(placed, e) == 1 {
+        let before = rates.add_counted(placed, e);
+        if before == 1 {
             instance.distinct.add(e);
         }
-        sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS)
+        Recorded {
+            new_window: sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS),
+            revisit: before > 0,
+        }
+    }
+
+    pub fn feedback(&self) -> &Feedback {
+        &self.feedback
     }
 
     /// Requests placed in the variant within the window.
@@ -331,6 +351,11 @@ impl InFlight {
     /// The instance the request is on.
     pub fn instance(&self) -> &Arc<InstanceState> {
         &self.instance
+    }
+
+    /// The variant the request is in.
+    pub fn variant(&self) -> &Arc<VariantLoad> {
+        &self.variant
     }
 
     pub fn start(instance: &Arc<InstanceState>, variant: &Arc<VariantLoad>) -> Self {

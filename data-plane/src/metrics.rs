@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use telemetry::exposition::Exposition;
 
+use crate::feedback::Rule;
 use crate::placement::Decision;
 use crate::table::RoutingTable;
+use crate::usage::CacheReport;
 
 /// Status codes with their own counter; others are counted by class.
 const STATUS_CODES: [u16; 11] = [200, 400, 404, 405, 408, 413, 429, 500, 502, 503, 504];
@@ -33,10 +35,13 @@ fn slot_label(slot: usize, out: &mut String) {
     }
 }
 
-/// Request counters of one (endpoint, variant, instance) route, by decision and status.
+/// Request counters of one (endpoint, variant, instance) route, by decision and status, and the
+/// prompt tokens its engine reported, by the rule that placed them.
 #[derive(Debug)]
 pub struct RouteStats {
     counts: Box<[AtomicU64]>,
+    prompt_tokens: [AtomicU64; Rule::COUNT],
+    cached_tokens: [AtomicU64; Rule::COUNT],
 }
 
 impl Default for RouteStats {
@@ -45,6 +50,8 @@ impl Default for RouteStats {
             counts: (0..Decision::ALL.len() * STATUS_SLOTS)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
+            prompt_tokens: Default::default(),
+            cached_tokens: Default::default(),
         }
     }
 }
@@ -56,6 +63,20 @@ impl RouteStats {
 
     pub fn get(&self, decision: Decision, status: u16) -> u64 {
         self.counts[decision as usize * STATUS_SLOTS + status_slot(status)].load(Relaxed)
+    }
+
+    /// Counts what the engine reported of one request placed by `rule`.
+    pub fn record_usage(&self, rule: Rule, report: CacheReport) {
+        self.prompt_tokens[rule as usize].fetch_add(report.prompt_tokens, Relaxed);
+        self.cached_tokens[rule as usize].fetch_add(report.cached_tokens, Relaxed);
+    }
+
+    /// Prompt tokens and cached prompt tokens the engine reported for requests placed by `rule`.
+    pub fn usage(&self, rule: Rule) -> (u64, u64) {
+        (
+            self.prompt_tokens[rule as usize].load(Relaxed),
+            self.cached_tokens[rule as usize].load(Relaxed),
+        )
     }
 }
 
@@ -195,6 +216,86 @@ impl Metrics {
                         );
                     }
                 }
+            }
+        }
+        for (name, help, cached) in [
+            (
+                "prefix_router_prompt_tokens_total",
+                "Prompt tokens of routed requests as the engines reported them, by instance and \
+                 the placement rule that chose it.",
+                false,
+            ),
+            (
+                "prefix_router_cached_prompt_tokens_total",
+                "Prompt tokens the engines reported served from their prefix cache, by instance \
+                 and the placement rule that chose it.",
+                true,
+            ),
+        ] {
+            let mut family = out.counter(name, help);
+            for (endpoint, variant, instance) in routes() {
+                for rule in Rule::ALL {
+                    let (prompt, hit) = instance.stats().usage(rule);
+                    if prompt > 0 {
+                        family.sample(
+                            &[
+                                ("endpoint", endpoint.name()),
+                                ("variant", variant.name()),
+                                ("instance", instance.address()),
+                                ("decision", rule.as_str()),
+                            ],
+                            (if cached { hit } else { prompt }) as f64,
+                        );
+                    }
+                }
+            }
+        }
+        let variants = || {
+            table.into_iter().flat_map(|t| {
+                t.endpoints()
+                    .flat_map(|e| e.variants().iter().map(move |v| (e, v)))
+            })
+        };
+        let mut open = out.gauge(
+            "prefix_router_placement_rule_open",
+            "1 while a PREFIX_AWARE rule that spends cache may act; 0 while the engines' reports \
+             say its copies miss (rule \"variant\": every such rule of the variant).",
+        );
+        for (endpoint, variant) in variants() {
+            if !matches!(variant.strategy(), crate::table::Strategy::PrefixAware(_)) {
+                continue;
+            }
+            let feedback = variant.load().feedback();
+            let now = crate::load::now_ms();
+            for (rule, gate) in feedback.gates() {
+                open.sample(
+                    &[
+                        ("endpoint", endpoint.name()),
+                        ("variant", variant.name()),
+                        ("rule", rule),
+                    ],
+                    f64::from(u8::from(gate.is_open(now))),
+                );
+            }
+        }
+        let mut closings = out.counter(
+            "prefix_router_placement_rule_closed_total",
+            "Times a PREFIX_AWARE rule was closed because the engines reported that its revisits miss.",
+        );
+        for (endpoint, variant) in variants() {
+            if !matches!(variant.strategy(), crate::table::Strategy::PrefixAware(_)) {
+                continue;
+            }
+            let feedback = variant.load().feedback();
+            for (rule, gate) in feedback.gates() {
+                closings.sample(
+                    &[
+                        ("endpoint", endpoint.name()),
+                        ("variant", variant.name()),
+                        ("rule", rule),
+                    ],
+                    gate.closings() as f64,
+                );
             }
         }
         let mut in_flight = out.gauge(

@@ -30,12 +30,14 @@ use tracing::Span;
 
 use crate::access::{self, Access, Admission};
 use crate::config::Config;
+use crate::feedback::{FeedbackTuning, Rule};
 use crate::load::{now_ms, InFlight};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteStats};
 use crate::placement::{Placement, Route, RouteRequest};
 use crate::prompt::BodyKind;
 use crate::table::RoutingTable;
 use crate::upstream::{self, Conn, UpstreamBody};
+use crate::usage::UsageScanner;
 
 pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
 pub const X_TARGET_VARIANT: HeaderName = HeaderName::from_static("x-target-variant");
@@ -485,7 +487,7 @@ impl Router {
             };
             self.count_failure(instance);
             if !retried {
-                if let Some((next, decision)) =
+                if let Some((next, decision, rule)) =
                     self.placement
                         .choose(variant, route.key, Some(route.instance), now_ms())
                 {
@@ -494,6 +496,9 @@ impl Router {
                     in_flight = InFlight::start(variant.instances()[next].state(), variant.load());
                     route.instance = next;
                     route.decision = decision;
+                    route.rule = rule;
+                    // a retry's outcome says nothing of the key's placement
+                    route.revisit = false;
                     if !span.is_disabled() {
                         match &failure {
                             Err((response, _)) => {
@@ -579,6 +584,13 @@ impl Router {
             .record(route.decision, parts.status.as_u16());
         set_route_headers(&mut parts.headers, table, route);
         let sse = is_event_stream(&parts.headers);
+        let outcome = parts.status.is_success().then(|| Outcome {
+            scanner: UsageScanner::default(),
+            stats: Arc::clone(instance.stats()),
+            rule: route.rule,
+            revisit: route.revisit,
+            feedback: self.placement.tuning().feedback,
+        });
         let stream = UpstreamStream {
             pending: first,
             in_flight,
@@ -586,6 +598,7 @@ impl Router {
             server_error: parts.status.is_server_error(),
             sse,
             at_event_boundary: true,
+            outcome,
         };
         Response::from_parts(
             parts,
@@ -915,13 +928,38 @@ struct UpstreamStream {
     /// A 5xx passed through (both attempts failed): already counted as a failure, so its body
     /// ending is no success.
     server_error: bool,
+    /// A 2xx body: read for the engine's cache report as it passes.
+    outcome: Option<Outcome>,
+}
+
+/// What one successful response teaches: the engine's cache report, counted for the route and
+/// the rule that placed the request, and held against the rule ([`crate::feedback`]).
+struct Outcome {
+    scanner: UsageScanner,
+    stats: Arc<RouteStats>,
+    rule: Rule,
+    revisit: bool,
+    feedback: FeedbackTuning,
 }
 
 impl UpstreamStream {
-    /// The body ended: the exchange was a success for passive health (unless a 5xx).
+    /// The body ended: the exchange was a success for passive health (unless a 5xx), and the
+    /// engine's report (if it sent one) is learned from.
     fn ended(&self) {
         if !self.server_error {
             self.in_flight.instance().record_success();
+        }
+        if let Some(o) = &self.outcome {
+            if let Some(report) = o.scanner.report() {
+                o.stats.record_usage(o.rule, report);
+                self.in_flight.variant().feedback().learn(
+                    o.rule,
+                    o.revisit,
+                    report,
+                    now_ms(),
+                    &o.feedback,
+                );
+            }
         }
     }
 
@@ -972,6 +1010,8 @@ pub struct ResponseBody {
     admission: Option<Admission>,
 }
 
+// The upstream variant is the common one: boxing it would allocate per request.
+#[allow(clippy::large_enum_variant)]
 enum Inner {
     Full(Option<Bytes>),
     Upstream {
@@ -1052,6 +1092,9 @@ impl Body for ResponseBody {
                         if let Some(data) = frame.data_ref() {
                             if !data.is_empty() {
                                 s.at_event_boundary = data.ends_with(b"\n\n");
+                            }
+                            if let Some(o) = s.outcome.as_mut() {
+                                o.scanner.feed(data);
                             }
                             if let Some(t) = trace.as_mut() {
                                 t.on_data(data.len());

@@ -144,7 +144,7 @@ impl Instance {
     pub fn state(&self) -> &Arc<InstanceState> {
         &self.state
     }
-    pub fn stats(&self) -> &RouteStats {
+    pub fn stats(&self) -> &Arc<RouteStats> {
         &self.stats
     }
     /// Value of the `x-prefix-router-instance` header.

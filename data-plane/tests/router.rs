@@ -654,6 +654,73 @@ async fn streaming_responses_pass_through_chunk_by_chunk() {
 }
 
 #[tokio::test]
+async fn engines_cache_reports_are_counted_as_they_pass_unchanged() {
+    let cp = MockControlPlane::start().await;
+    let b = Backend::start_with("s", Behavior::Stream).await;
+    cp.push(simple_table(1, prefix_aware(256, 64), &[b.url.as_str()]));
+    let router = RouterHandle::watching(&cp, "r").await;
+    router.wait_version(1).await;
+    let body = r#"{"model":"e","stream":true,"messages":[{"role":"user","content":"count"}]}"#;
+    // llama.cpp's timings in the last event, split across frames mid-key and mid-number
+    let pieces = [
+        "data: {\"choices\":[{\"delta\":{\"content\":\"say \\\"cache_n\\\":9\"}}]}\n\n",
+        "data: {\"choices\":[],\"timings\":{\"cac",
+        "he_n\":12",
+        "52,\"prompt_n\":78}}\n\ndata: [DONE]\n\n",
+    ];
+    for _ in 0..2 {
+        let resp = client().request(post_request(&router.url("/v1/chat/completions"), &[], body));
+        let chunks = b.next_stream();
+        let (resp, chunks) = tokio::join!(resp, chunks);
+        let resp = resp.unwrap();
+        assert_eq!(resp.status(), 200);
+        for p in pieces {
+            chunks.send(Bytes::from(p)).await.unwrap();
+        }
+        drop(chunks);
+        let got = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            got,
+            pieces.concat().as_bytes(),
+            "the client's bytes are unchanged"
+        );
+    }
+    let instance = format!("instance=\"{}\"", b.url);
+    let sample = |metrics: &str, name: &str| -> Option<f64> {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(name)
+                    && l.contains(&instance)
+                    && l.contains("decision=\"prefix_hash\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    // the report is learned when the body ends, which the client sees at the same moment
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let metrics = loop {
+        let metrics = router.metrics().await;
+        if sample(&metrics, "prefix_router_prompt_tokens_total") == Some(2660.0) {
+            break metrics;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{metrics}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(
+        sample(&metrics, "prefix_router_cached_prompt_tokens_total"),
+        Some(2504.0),
+        "{metrics}"
+    );
+    // the variant's rules are open: the engine reported hits
+    assert!(
+        metrics.contains(
+            "prefix_router_placement_rule_open{endpoint=\"e\",variant=\"v1\",rule=\"variant\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
 async fn error_paths_answer_json_with_their_status() {
     // no table yet: 503
     let router = RouterHandle::start(Config {

@@ -1,0 +1,311 @@
+//! PREFIX_AWARE's rules held to what the engines report about their own caches.
+//!
+//! Every placement names the [`Rule`] that made it. When the response ends, the engine's report
+//! ([`crate::usage::CacheReport`]) says how much of the prompt it served from cache. The report
+//! is evidence about the placement's premise only when the router had sent the same prefix to the
+//! same instance before (a *revisit*): the prefix should then be in that cache, and a miss means
+//! the cache evicted it. Revisit misses are what copies cost: a prefix on k instances takes k
+//! times its size out of the fleet's cache, and where the popular set does not fit k times,
+//! every copy evicts something that a later revisit misses.
+//!
+//! So each variant keeps a [`Gate`] per rule and one for the whole variant, each counting
+//! revisits and revisit misses over windows of [`FeedbackTuning::window`] revisits. A window
+//! whose miss rate passes [`FeedbackTuning::miss_limit`] closes its gate for a hold time that doubles with
+//! each repeated strike (as Envoy's outlier detection ejects a host on observed failures), and
+//! the rule stays out of placement until then:
+//! - a rule's own gate closes when the revisits it placed miss (a deepened head that is not
+//!   cached where first turns go, a hot key's replica that keeps being evicted, a spill copy);
+//! - the variant's gate closes when revisits miss whatever placed them: the caches have no room
+//!   for more copies, so every rule that spends cache (hot replicas, deepened heads, warm moves,
+//!   re-weighed keys, bounded-load spills) stands down, and placement is plain rendezvous hashing,
+//!   on which every router replica agrees.
+//!
+//! Engines that report nothing (no usage in their responses) teach nothing: the gates stay open.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+use crate::usage::CacheReport;
+
+/// The feedback's constants (part of [`crate::placement::Tuning`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FeedbackTuning {
+    /// Revisits per window of a gate. 64 revisits take a few seconds on a fleet serving
+    /// 20 req/s, so a rule that thrashes small caches is stopped within seconds.
+    pub window: u32,
+    /// A window whose revisits missed more than this fraction closes the gate. Where caches
+    /// have room a revisit misses rarely (a prefix evicted by age); where copies overflow them,
+    /// a third or more of revisits miss.
+    pub miss_limit: f64,
+    /// First hold of a closed gate, in milliseconds; each further strike doubles it.
+    pub hold_ms: u64,
+    /// Longest hold.
+    pub max_hold_ms: u64,
+}
+
+impl Default for FeedbackTuning {
+    fn default() -> Self {
+        FeedbackTuning {
+            window: 64,
+            miss_limit: 0.2,
+            hold_ms: 60_000,
+            max_hold_ms: 16 * 60_000,
+        }
+    }
+}
+
+/// Which rule of a strategy chose the instance: the `decision` label of the token counters,
+/// finer than the `x-prefix-router-decision` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Rule {
+    /// RANDOM.
+    Random = 0,
+    /// LEAST_OUTSTANDING_REQUESTS.
+    LeastOutstanding = 1,
+    /// PREFIX_AWARE: the key's rendezvous top choice.
+    PrefixHash = 2,
+    /// PREFIX_AWARE: one of a hot key's replicas.
+    HotReplica = 3,
+    /// PREFIX_AWARE: a conversation under a hot shared head, keyed by the conversation.
+    DeepenedHead = 4,
+    /// PREFIX_AWARE: a warm key moved off an instance over its fair share.
+    WarmMove = 5,
+    /// PREFIX_AWARE: a cold key on another of its first choices by re-weighed instance weights.
+    Reweighed = 6,
+    /// PREFIX_AWARE: the instance a key spilled to before, remembered by the prefix index.
+    Spill = 7,
+    /// PREFIX_AWARE: the key's choices were over their in-flight bound, ejected or excluded.
+    OverloadBypass = 8,
+}
+
+impl Rule {
+    pub const COUNT: usize = 9;
+    pub const ALL: [Rule; Rule::COUNT] = [
+        Rule::Random,
+        Rule::LeastOutstanding,
+        Rule::PrefixHash,
+        Rule::HotReplica,
+        Rule::DeepenedHead,
+        Rule::WarmMove,
+        Rule::Reweighed,
+        Rule::Spill,
+        Rule::OverloadBypass,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rule::Random => "random",
+            Rule::LeastOutstanding => "least_outstanding",
+            Rule::PrefixHash => "prefix_hash",
+            Rule::HotReplica => "hot_replica",
+            Rule::DeepenedHead => "deepened_head",
+            Rule::WarmMove => "warm_move",
+            Rule::Reweighed => "reweighed",
+            Rule::Spill => "spill",
+            Rule::OverloadBypass => "overload_bypass",
+        }
+    }
+
+    /// The rule puts a prefix where it would not be by plain hashing, so it may cost a copy in
+    /// another cache: it stands down while the variant's caches have no room.
+    pub fn spends_cache(self) -> bool {
+        matches!(
+            self,
+            Rule::HotReplica | Rule::DeepenedHead | Rule::WarmMove | Rule::Reweighed | Rule::Spill
+        )
+    }
+}
+
+/// Revisits and revisit misses of one rule (or of a whole variant), and whether the rule is held
+/// out of placement.
+#[derive(Debug, Default)]
+pub struct Gate {
+    revisits: AtomicU32,
+    misses: AtomicU32,
+    /// Monotonic milliseconds until which the rule is closed (0: open).
+    closed_until_ms: AtomicU64,
+    /// Windows over the limit in a row (each doubles the hold), decayed by good windows.
+    strikes: AtomicU32,
+    /// Times the gate closed (for the metrics).
+    closings: AtomicU64,
+}
+
+impl Gate {
+    pub fn is_open(&self, now_ms: u64) -> bool {
+        now_ms >= self.closed_until_ms.load(Relaxed)
+    }
+
+    pub fn closings(&self) -> u64 {
+        self.closings.load(Relaxed)
+    }
+
+    /// Counts one revisit; at the end of a window, closes the gate when its misses passed the
+    /// limit. True when this call closed it.
+    fn observe(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
+        if miss {
+            self.misses.fetch_add(1, Relaxed);
+        }
+        let n = self.revisits.fetch_add(1, Relaxed) + 1;
+        if n < t.window
+            || self
+                .revisits
+                .compare_exchange(n, 0, Relaxed, Relaxed)
+                .is_err()
+        {
+            return false;
+        }
+        let misses = self.misses.swap(0, Relaxed);
+        let strikes = self.strikes.load(Relaxed);
+        if f64::from(misses) > t.miss_limit * f64::from(n) {
+            let hold = t
+                .hold_ms
+                .saturating_mul(1 << strikes.min(16))
+                .min(t.max_hold_ms);
+            self.strikes.store(strikes + 1, Relaxed);
+            let until = now_ms + hold;
+            if until > self.closed_until_ms.load(Relaxed) {
+                self.closed_until_ms.store(until, Relaxed);
+            }
+            self.closings.fetch_add(1, Relaxed);
+            true
+        } else {
+            // A good window after the gate has been open as long as its last hold takes one
+            // strike away: a rule that pays again is trusted again, step by step.
+            let last_hold = t
+                .hold_ms
+                .saturating_mul(1 << strikes.saturating_sub(1).min(16));
+            if strikes > 0 && now_ms >= self.closed_until_ms.load(Relaxed).saturating_add(last_hold)
+            {
+                self.strikes.store(strikes - 1, Relaxed);
+            }
+            false
+        }
+    }
+}
+
+/// A variant's gates: one per rule, and one for every revisit.
+#[derive(Debug, Default)]
+pub struct Feedback {
+    variant: Gate,
+    rules: [Gate; Rule::COUNT],
+}
+
+impl Feedback {
+    /// Learns from one PREFIX_AWARE request's outcome: `revisit` when the router had sent the
+    /// request's prefix to the same instance before.
+    pub fn learn(
+        &self,
+        rule: Rule,
+        revisit: bool,
+        report: CacheReport,
+        now_ms: u64,
+        t: &FeedbackTuning,
+    ) {
+        if !revisit {
+            return;
+        }
+        let miss = !report.hit();
+        if self.rules[rule as usize].observe(miss, now_ms, t) {
+            tracing::debug!(
+                rule = rule.as_str(),
+                "placement rule closed: its revisits miss"
+            );
+        }
+        if self.variant.observe(miss, now_ms, t) {
+            tracing::debug!("cache-spending rules closed: the variant's revisits miss");
+        }
+    }
+
+    /// May `rule` act now? A rule that spends cache needs both its own gate and the variant's
+    /// open; the others always may.
+    pub fn allows(&self, rule: Rule, now_ms: u64) -> bool {
+        !rule.spends_cache()
+            || (self.variant.is_open(now_ms) && self.rules[rule as usize].is_open(now_ms))
+    }
+
+    pub fn rule(&self, rule: Rule) -> &Gate {
+        &self.rules[rule as usize]
+    }
+
+    pub fn variant(&self) -> &Gate {
+        &self.variant
+    }
+
+    /// The variant's gate (named `variant`) and those of the rules that spend cache, by name.
+    pub fn gates(&self) -> impl Iterator<Item = (&'static str, &Gate)> {
+        std::iter::once(("variant", &self.variant)).chain(
+            Rule::ALL
+                .into_iter()
+                .filter(|r| r.spends_cache())
+                .map(|r| (r.as_str(), &self.rules[r as usize])),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HIT: CacheReport = CacheReport {
+        prompt_tokens: 1000,
+        cached_tokens: 950,
+    };
+    const MISS: CacheReport = CacheReport {
+        prompt_tokens: 1000,
+        cached_tokens: 10,
+    };
+
+    #[test]
+    fn a_rule_whose_revisits_miss_is_closed_and_its_hold_doubles() {
+        let t = FeedbackTuning::default();
+        let f = Feedback::default();
+        let now = 1_000;
+        for _ in 0..t.window {
+            assert!(f.allows(Rule::HotReplica, now));
+            f.learn(Rule::HotReplica, true, MISS, now, &t);
+        }
+        assert!(!f.allows(Rule::HotReplica, now));
+        // the variant's gate closed too: every rule that spends cache stands down
+        assert!(!f.allows(Rule::DeepenedHead, now));
+        assert!(f.allows(Rule::PrefixHash, now));
+        let reopened = now + t.hold_ms;
+        assert!(f.allows(Rule::HotReplica, reopened));
+        // missing again right after: closed for twice as long
+        for _ in 0..t.window {
+            f.learn(Rule::HotReplica, true, MISS, reopened, &t);
+        }
+        assert!(!f.allows(Rule::HotReplica, reopened + t.hold_ms));
+        assert!(f.allows(Rule::HotReplica, reopened + 2 * t.hold_ms));
+        assert_eq!(f.rule(Rule::HotReplica).closings(), 2);
+    }
+
+    #[test]
+    fn hits_first_placements_and_silent_engines_keep_rules_open() {
+        let t = FeedbackTuning::default();
+        let f = Feedback::default();
+        for i in 0..10 * t.window {
+            // one miss in ten revisits is below the limit
+            let report = if i % 10 == 0 { MISS } else { HIT };
+            f.learn(Rule::DeepenedHead, true, report, 1_000, &t);
+            // a first placement's miss is no evidence: nothing was there to evict
+            f.learn(Rule::DeepenedHead, false, MISS, 1_000, &t);
+        }
+        assert!(f.allows(Rule::DeepenedHead, 1_000));
+        assert_eq!(f.variant().closings(), 0);
+    }
+
+    #[test]
+    fn one_rules_misses_close_that_rule_only_while_the_variant_still_hits() {
+        let t = FeedbackTuning::default();
+        let f = Feedback::default();
+        for _ in 0..2 * t.window {
+            f.learn(Rule::WarmMove, true, MISS, 1_000, &t);
+            for _ in 0..9 {
+                f.learn(Rule::PrefixHash, true, HIT, 1_000, &t);
+            }
+        }
+        assert!(!f.allows(Rule::WarmMove, 1_000));
+        assert!(f.allows(Rule::HotReplica, 1_000));
+        assert_eq!(f.variant().closings(), 0);
+    }
+}

@@ -1,0 +1,96 @@
+//! Every constant of PREFIX_AWARE placement, in one struct. [`Tuning::default`] is what users
+//! get (three of its fields have data-plane flags); unit tests run at it. What each value was
+//! measured to do is in BENCHMARKS.md, not here.
+
+use crate::feedback::FeedbackTuning;
+
+/// PREFIX_AWARE's constants. See the module doc of [`crate::placement`] for the objective each
+/// mechanism serves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tuning {
+    /// Bounded-load factor c in percent (`--hash-balance-factor`): an instance takes a key while
+    /// its in-flight count is under `ceil(c * (variant_in_flight + 1) / n) + 1`. It guards
+    /// bursts; request rates are evened by hot-key replicas and weights.
+    pub balance_percent: u32,
+    /// A key is hot when its share of the variant's requests times the instance count reaches
+    /// this (a quarter of an instance's fair share).
+    pub hot_share: f64,
+    /// A hot key of share `s` of n instances is served by `ceil(s * n * spread)` of them
+    /// (`--hot-key-spread`; 0: hot keys are not spread).
+    pub spread: f64,
+    /// A key under `hot_share` but with share times n at least this is warm.
+    pub warm_share: f64,
+    /// How far over its fair share (relative) a warm key's instance may be before the key's
+    /// next request goes to the next instance of its ranking if that one has had fewer.
+    pub warm_slack: f64,
+    /// Keys are treated as warm only once the window holds this many requests: in a smaller
+    /// sample a conversation's few turns look warm.
+    pub warm_min_window: f64,
+    /// A head-only chat key (a shared system prompt longer than `prefix_length`) is deepened to
+    /// the conversation when its share times n reaches this.
+    pub deepen_share: f64,
+    /// Shares are estimated only once the window holds this many of the variant's requests.
+    pub min_window: f64,
+    /// Instance weights stay within `[1 / max_weight, max_weight]`.
+    pub max_weight: f64,
+    /// A request share within this of 1/n leaves the instance's weight as it is.
+    pub dead_zone: f64,
+    /// Exponent of each re-weighing step: `w *= (fair / share) ^ gain`.
+    pub gain: f64,
+    /// Exponent of the footprint part of a re-weighing step (`--footprint-gain`; 0, the
+    /// default, re-weighs by request shares only): `w *= (fair / held) ^ footprint_gain`, where
+    /// `held` is the instance's share of the distinct keys placed on it at least twice.
+    pub footprint_gain: f64,
+    /// A share of distinct keys within this of 1/n, or within `footprint_dead_zone_keys` keys of
+    /// it, leaves the weight as it is.
+    pub footprint_dead_zone: f64,
+    pub footprint_dead_zone_keys: f64,
+    /// The footprint step lowers (raises) an instance's weight only while its request share is
+    /// above fair minus this (below fair plus this).
+    pub footprint_share_slack: f64,
+    /// When the engines' reports close a rule (see [`crate::feedback`]).
+    pub feedback: FeedbackTuning,
+}
+
+/// The bounded-load factor users get.
+pub const DEFAULT_BALANCE_PERCENT: u32 = 400;
+/// The hot-key spread users get.
+pub const DEFAULT_SPREAD: f64 = 8.0;
+/// The footprint gain users get (off).
+pub const DEFAULT_FOOTPRINT_GAIN: f64 = 0.0;
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            balance_percent: DEFAULT_BALANCE_PERCENT,
+            hot_share: 0.25,
+            spread: DEFAULT_SPREAD,
+            warm_share: 0.125,
+            warm_slack: 0.05,
+            warm_min_window: 1024.0,
+            deepen_share: 0.5,
+            min_window: 64.0,
+            max_weight: 4.0,
+            dead_zone: 0.004,
+            gain: 0.5,
+            footprint_gain: DEFAULT_FOOTPRINT_GAIN,
+            footprint_dead_zone: 0.01,
+            footprint_dead_zone_keys: 3.0,
+            footprint_share_slack: 0.005,
+            feedback: FeedbackTuning::default(),
+        }
+    }
+}
+
+impl Tuning {
+    /// How many instances serve a key of `share` of the traffic of `n` instances (1 for a key
+    /// that is not hot, or when hot keys are not spread).
+    pub fn replicas(&self, share: f64, n: usize) -> usize {
+        let load = share * n as f64;
+        if load < self.hot_share || self.spread <= 0.0 {
+            1
+        } else {
+            ((load * self.spread).ceil() as usize).clamp(1, n)
+        }
+    }
+}
