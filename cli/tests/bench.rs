@@ -73,6 +73,50 @@ fn bench_writes_the_contract_json_and_prefix_aware_beats_random_on_hits() {
 }
 
 #[test]
+fn documents_in_the_system_message_with_small_caches_and_a_model_naming_no_endpoint() {
+    // The bench's routers route by endpoint, so a model named after an engine (not the
+    // endpoint) still reaches the fleet; the flags are recorded in the config.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("bench.json");
+    Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args([
+            "bench",
+            "--workload",
+            "long-context",
+            "--document-role",
+            "system",
+            "--cache-regime",
+            "small",
+            "--model",
+            "an-engine-model-id",
+            "--strategies",
+            "PREFIX_AWARE",
+            "--duration",
+            "20",
+            "--warmup",
+            "5",
+            "--concurrency",
+            "8",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .assert()
+        .success();
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let config = &report["config"];
+    assert_eq!(config["document_role"], "system", "{config}");
+    assert_eq!(config["cache_regime"], "small", "{config}");
+    assert_eq!(config["model"], "an-engine-model-id", "{config}");
+    assert_eq!(config["workload"]["documents"], 8, "{config}");
+    assert_eq!(config["workload"]["kv_capacity_tokens"], 25_200, "{config}");
+    let r = &report["results"][0];
+    assert_eq!(r["errors"], 0, "{r}");
+    assert!(r["requests"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["kv_hit_rate"].as_f64().unwrap() > 0.0, "{r}");
+}
+
+#[test]
 fn prefix_aware_uses_every_instance_when_system_prompts_outgrow_the_key() {
     // system-prompt-long: four system prompts longer than prefix_length, so every user of one
     // prompt has the same shallow key. Keyed by that alone, the users of four prompts fill at

@@ -175,6 +175,54 @@ impl KeyRates {
     }
 }
 
+/// Slots of [`ServedPrefixes`].
+const SERVED_SLOTS: usize = 8192;
+
+/// The (prefix, instance) pairs whose requests finished recently, as a direct-mapped table of
+/// their hashes (a newer pair overwrites an older one in its slot): a request placed where its
+/// prefix was served before (a revisit, whose prefix the engine should hold) is told from a
+/// first placement without a lock and without false matches; a forgotten pair only means one
+/// fewer sample. A pair counts once a request finished, not when it was placed: a request placed
+/// while another with the same prefix is still computing it finds nothing cached yet, and that
+/// says nothing of evictions. 8,192 x 8 bytes = 64 KiB per PREFIX_AWARE variant.
+pub struct ServedPrefixes {
+    slots: Box<[AtomicU64]>,
+}
+
+impl std::fmt::Debug for ServedPrefixes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServedPrefixes").finish_non_exhaustive()
+    }
+}
+
+impl Default for ServedPrefixes {
+    fn default() -> Self {
+        ServedPrefixes {
+            slots: (0..SERVED_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+impl ServedPrefixes {
+    #[inline]
+    fn slot(&self, placed: u64) -> &AtomicU64 {
+        // placed is a mixed hash already; the high bits pick the slot
+        &self.slots[(placed >> 51) as usize % SERVED_SLOTS]
+    }
+
+    /// A request whose prefix and instance hash to `placed` finished.
+    pub fn insert(&self, placed: u64) {
+        let slot = self.slot(placed);
+        if slot.load(Relaxed) != placed {
+            slot.store(placed, Relaxed);
+        }
+    }
+
+    pub fn contains(&self, placed: u64) -> bool {
+        placed != 0 && self.slot(placed).load(Relaxed) == placed
+    }
+}
+
 /// Load and passive-health state of one model-server instance.
 #[derive(Debug, Default)]
 pub struct InstanceState {
@@ -269,6 +317,7 @@ pub struct VariantLoad {
     weighted: std::sync::atomic::AtomicBool,
     /// What the engines' reports say of PREFIX_AWARE's rules on this variant.
     feedback: Feedback,
+    served: OnceLock<ServedPrefixes>,
 }
 
 /// What [`VariantLoad::record`] saw of one placed request.
@@ -276,7 +325,7 @@ pub struct VariantLoad {
 pub struct Recorded {
     /// The request opened a new half-window (once per half-window): the caller re-weighs.
     pub new_window: bool,
-    /// The same prefix was placed on the same instance before in this half-window.
+    /// A request with the same prefix finished on the same instance before.
     pub revisit: bool,
 }
 
@@ -293,9 +342,9 @@ impl VariantLoad {
     /// Counts one placed request for `key` (and, when the request was keyed deeper, for the
     /// shallow key it was deepened from) on `instance`.
     ///
-    /// `placed` is the cached prefix's key combined with the instance's id: seen before in the
-    /// half-window, the request is a revisit; the second time, the instance's distinct-key count
-    /// grows.
+    /// `placed` is the cached prefix's key combined with the instance's id: served there before
+    /// ([`ServedPrefixes`]), the request is a revisit; placed twice in a half-window, the
+    /// instance's distinct-key count grows.
     pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> Recorded {
         let sequence = self.sequence.fetch_add(1, Relaxed);
         let e = Epoch::of(sequence);
@@ -311,12 +360,16 @@ impl VariantLoad {
         }
         Recorded {
             new_window: sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS),
-            revisit: before > 0,
+            revisit: self.served().contains(placed),
         }
     }
 
     pub fn feedback(&self) -> &Feedback {
         &self.feedback
+    }
+
+    pub fn served(&self) -> &ServedPrefixes {
+        self.served.get_or_init(ServedPrefixes::default)
     }
 
     /// Requests placed in the variant within the window.

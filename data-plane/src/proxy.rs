@@ -499,6 +499,7 @@ impl Router {
                     route.rule = rule;
                     // a retry's outcome says nothing of the key's placement
                     route.revisit = false;
+                    route.placed = 0;
                     if !span.is_disabled() {
                         match &failure {
                             Err((response, _)) => {
@@ -589,6 +590,7 @@ impl Router {
             stats: Arc::clone(instance.stats()),
             rule: route.rule,
             revisit: route.revisit,
+            placed: route.placed,
             feedback: self.placement.tuning().feedback,
         });
         let stream = UpstreamStream {
@@ -939,6 +941,8 @@ struct Outcome {
     stats: Arc<RouteStats>,
     rule: Rule,
     revisit: bool,
+    /// [`crate::placement::Route::placed`].
+    placed: u64,
     feedback: FeedbackTuning,
 }
 
@@ -950,6 +954,9 @@ impl UpstreamStream {
             self.in_flight.instance().record_success();
         }
         if let Some(o) = &self.outcome {
+            if o.placed != 0 {
+                self.in_flight.variant().served().insert(o.placed);
+            }
             if let Some(report) = o.scanner.report() {
                 o.stats.record_usage(o.rule, report);
                 self.in_flight.variant().feedback().learn(

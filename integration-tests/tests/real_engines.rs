@@ -170,7 +170,7 @@ async fn get(http: &Http, url: &str) -> Option<(u16, String)> {
     Some((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
-/// Starts `n` servers and waits until each answers `/health` with 200.
+/// Starts `n` servers with 16 MiB prompt caches and waits until each answers `/health` with 200.
 async fn start_fleet(
     http: &Http,
     bin: &Path,
@@ -178,8 +178,20 @@ async fn start_fleet(
     dir: &Path,
     n: usize,
 ) -> Vec<LlamaServer> {
+    start_fleet_with_cache(http, bin, model, dir, n, 16).await
+}
+
+/// Starts `n` servers with `cache_ram_mib` MiB prompt caches and waits until each is healthy.
+async fn start_fleet_with_cache(
+    http: &Http,
+    bin: &Path,
+    model: &Path,
+    dir: &Path,
+    n: usize,
+    cache_ram_mib: u32,
+) -> Vec<LlamaServer> {
     let servers: Vec<LlamaServer> = (0..n)
-        .map(|_| LlamaServer::start(bin, model, dir, 16))
+        .map(|_| LlamaServer::start(bin, model, dir, cache_ram_mib))
         .collect();
     for s in &servers {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -612,4 +624,233 @@ async fn bench_engines_reads_llama_server_counters_and_prefix_aware_raises_the_h
     let md = std::fs::read_to_string(&md).unwrap();
     assert!(md.contains("### long-context on 3 engines"), "{md}");
     assert!(md.contains("Per engine"), "{md}");
+}
+
+/// One non-streamed chat through the router: `system` as the system message, `question` as the
+/// user's; returns the instance that served it and the engine's usage.
+async fn ask(http: &Http, router: &str, system: &str, question: &str) -> Routed {
+    let body = serde_json::json!({
+        "model": "llama",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+    });
+    let req = http::Request::post(format!("{router}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(60), http.request(req))
+        .await
+        .expect("an answer within 60 s")
+        .expect("the data plane answers");
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (instance, decision) = (
+        header("x-prefix-router-instance"),
+        header("x-prefix-router-decision"),
+    );
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|e| panic!("HTTP {status}: {e}: {}", String::from_utf8_lossy(&bytes)));
+    assert!(status.is_success(), "HTTP {status}: {json}");
+    let n = |p: &str| json.pointer(p).and_then(|v| v.as_u64()).unwrap_or(0);
+    Routed {
+        instance,
+        decision,
+        text: String::new(),
+        prompt_tokens: n("/usage/prompt_tokens"),
+        cached_tokens: n("/usage/prompt_tokens_details/cached_tokens"),
+    }
+}
+
+/// A skewed request order over `docs` documents (each index about half as often as the one
+/// before, the last ones equally rare), the same for every run.
+fn skewed(docs: usize, len: usize, seed: u64) -> Vec<usize> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // a Zipf(1)-like draw: P(d) proportional to 1 / (d + 1)
+            let weights: f64 = (1..=docs).map(|d| 1.0 / d as f64).sum();
+            let mut u = (x >> 11) as f64 / (1u64 << 53) as f64 * weights;
+            (0..docs)
+                .find(|&d| {
+                    u -= 1.0 / (d + 1) as f64;
+                    u < 0.0
+                })
+                .unwrap_or(docs - 1)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documents_as_system_messages_stay_on_few_llama_servers_whose_caches_are_small() {
+    // Six 3,000-character documents sent as system messages (longer than prefix_length: every
+    // request on one shares a head-only key), each with a unique question, over three
+    // llama-servers whose prompt caches (3 MiB) hold about two documents each besides the one in
+    // the slot: the fleet holds every document once, not everywhere. Spreading popular documents
+    // or deepening their head makes every engine cycle through all six and evict; the engines'
+    // own reports must stop that. Judged by the engines' own counters, against RANDOM.
+    let _one = ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let Some((bin, model)) = prerequisites("real_engines::small_caches", dir.path()) else {
+        return;
+    };
+    let http: Http = Client::builder(TokioExecutor::new()).build_http();
+    let servers = start_fleet_with_cache(&http, &bin, &model, dir.path(), 3, 3).await;
+    let urls: Vec<&str> = servers.iter().map(|s| s.url.as_str()).collect();
+    let control_plane = InProcessControlPlane::start(&dir.path().join("cp")).await;
+    let client = proto::client::Client::connect(control_plane.url.clone())
+        .await
+        .unwrap();
+    client
+        .create_endpoint_config(
+            "llama",
+            vec![variant("v1", RoutingStrategy::PrefixAware, &urls)],
+        )
+        .await
+        .unwrap();
+    client.create_endpoint("llama", "llama").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router = format!("http://{}", listener.local_addr().unwrap());
+    let config = data_plane::Config {
+        control_plane: control_plane.url.clone(),
+        node_id: Some("dp-small-caches".into()),
+        default_endpoint: Some("llama".into()),
+        ..data_plane::Config::default()
+    };
+    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
+    wait_for(
+        "the data plane's first table",
+        Duration::from_secs(15),
+        || async {
+            matches!(
+                get(&http, &format!("{router}/readyz")).await,
+                Some((200, _))
+            )
+            .then_some(())
+        },
+    )
+    .await;
+    let counters = || async {
+        let mut v = Vec::new();
+        for u in &urls {
+            v.push(cache_counters(&http, u).await);
+        }
+        v
+    };
+    let hit_since = |before: &[(f64, f64)], after: &[(f64, f64)]| {
+        let cached: f64 = after.iter().zip(before).map(|(a, b)| a.0 - b.0).sum();
+        let total: f64 = after.iter().zip(before).map(|(a, b)| a.1 - b.1).sum();
+        cached / total
+    };
+
+    // Two clients, 150 requests each way: the first 150 to learn, the last 150 measured.
+    let run = |salt: u64| {
+        let (http, router) = (http.clone(), router.clone());
+        async move {
+            let order = skewed(6, 300, salt);
+            let docs: Vec<String> = (0..6).map(|d| document(salt * 100 + d, 3000)).collect();
+            let mut placed: Vec<(usize, usize, Routed)> = Vec::new();
+            for (i, pair) in order.chunks(2).enumerate() {
+                let (a, b) = tokio::join!(
+                    ask(
+                        &http,
+                        &router,
+                        &docs[pair[0]],
+                        &format!("Question {i}a: why?")
+                    ),
+                    ask(
+                        &http,
+                        &router,
+                        &docs[pair[1]],
+                        &format!("Question {i}b: how?")
+                    ),
+                );
+                placed.push((2 * i, pair[0], a));
+                placed.push((2 * i + 1, pair[1], b));
+            }
+            placed
+        }
+    };
+    let measure = |placed: &[(usize, usize, Routed)]| {
+        let mut engines = vec![std::collections::BTreeSet::new(); 6];
+        for (i, d, r) in placed {
+            if *i >= 150 {
+                engines[*d].insert(r.instance.clone());
+            }
+        }
+        engines
+    };
+
+    let start = counters().await;
+    let prefix_aware = run(1).await;
+    let mid = counters().await;
+    let engines = measure(&prefix_aware);
+    // the learning half ends here: measure the second half by the router's answers and the
+    // engines' counters over the whole run (the counters cannot be split by request)
+    let metrics = get(&http, &format!("{router}/metrics")).await.unwrap().1;
+    let closed = metrics.lines().any(|l| {
+        l.starts_with("prefix_router_placement_rule_closed_total")
+            && l.contains("rule=\"variant\"")
+            && !l.ends_with(" 0")
+    });
+    let measured_hits = |placed: &[(usize, usize, Routed)]| {
+        let (mut cached, mut total) = (0u64, 0u64);
+        for (i, _, r) in placed {
+            if *i >= 150 {
+                cached += r.cached_tokens;
+                total += r.prompt_tokens;
+            }
+        }
+        cached as f64 / total as f64
+    };
+    let pa_hit = measured_hits(&prefix_aware);
+
+    client
+        .update_endpoint_config(
+            "llama",
+            vec![variant("v1", RoutingStrategy::Random, &urls)],
+            None,
+        )
+        .await
+        .unwrap();
+    wait_for("the RANDOM table", Duration::from_secs(15), || async {
+        let d = client.describe_endpoint("llama").await.ok()?;
+        (!d.data_planes.is_empty() && d.rolled_out()).then_some(())
+    })
+    .await;
+    let random = run(2).await;
+    let end = counters().await;
+    let random_hit = measured_hits(&random);
+    eprintln!(
+        "SMALL-CACHES PREFIX_AWARE hit {pa_hit:.3} (engines' counters, whole run {:.3}), RANDOM {random_hit:.3} ({:.3}); documents' engines {engines:?}; a rule closed: {closed}",
+        hit_since(&start, &mid),
+        hit_since(&mid, &end),
+    );
+    assert!(
+        closed,
+        "the engines' reports closed the cache-spending rules:\n{metrics}"
+    );
+    for (d, e) in engines.iter().enumerate() {
+        assert!(e.len() <= 2, "document {d} on {e:?}");
+    }
+    assert!(
+        hit_since(&start, &mid) > hit_since(&mid, &end) + 0.15,
+        "the engines' own counters: PREFIX_AWARE {:.3} vs RANDOM {:.3}",
+        hit_since(&start, &mid),
+        hit_since(&mid, &end)
+    );
+    assert!(pa_hit > random_hit + 0.2, "{pa_hit:.3} vs {random_hit:.3}");
+    control_plane.stop().await.unwrap();
 }

@@ -18,6 +18,8 @@ use tonic::transport::Channel;
 
 use super::metrics::{self, CacheCounters, EngineMetrics, Histogram};
 
+/// The bench's endpoint, and its routers' default endpoint: they route every request to it,
+/// whatever model it names.
 pub const ENDPOINT: &str = "bench";
 pub const VARIANT: &str = "v1";
 
@@ -38,7 +40,13 @@ pub struct FleetSpec {
     /// Engines that already run (base URLs); when not empty, no engine-sim is started and
     /// `instances` is ignored.
     pub engines: Vec<String>,
+    /// The variant's model name (`GET /v1/models` of the routers lists it); `None`:
+    /// [`SIM_MODEL`]. Requests are routed by endpoint, never by this name.
+    pub model_name: Option<String>,
 }
+
+/// The model engine-sim serves by default, the variant's model name when none is given.
+pub const SIM_MODEL: &str = "llama-3.1-70b";
 
 /// A server task and the way to stop it; an engine that runs outside this process has neither.
 struct Server {
@@ -188,6 +196,8 @@ impl Fleet {
             .context("creating the bench endpoint")?;
         for r in 0..spec.routers {
             let (l, url) = bind().await?;
+            // The bench endpoint is the default: a request whose model names no endpoint (the
+            // engines' own model id, `--model`) is routed there.
             let mut config = data_plane::Config {
                 control_plane: cp_url.clone(),
                 node_id: Some(format!("bench-router-{r}")),
@@ -255,7 +265,11 @@ impl Fleet {
     fn variants(&self, strategy: RoutingStrategy) -> Vec<ProductionVariant> {
         vec![ProductionVariant {
             variant_name: VARIANT.into(),
-            model_name: "llama-3.1-70b".into(),
+            model_name: self
+                .spec
+                .model_name
+                .clone()
+                .unwrap_or_else(|| SIM_MODEL.into()),
             initial_variant_weight: Some(1.0),
             routing_config: Some(RoutingConfig {
                 routing_strategy: strategy as i32,

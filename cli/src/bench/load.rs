@@ -10,7 +10,6 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use tokio::sync::mpsc;
 
-use super::fleet::ENDPOINT;
 use super::metrics::HttpClient;
 use super::workload::Workload;
 
@@ -53,10 +52,16 @@ struct Streamed {
 }
 
 /// Runs `concurrency` clients over `routers` until `stop_at`, sending each sample down `out`.
+/// Every request names `model` in its body and nothing else: no `x-endpoint-name`, which would
+/// name an endpoint a peer router (`--router-url`) does not have. The bench's own routers send a
+/// model that names no endpoint of theirs (e.g. the engines' own id, which peer routers may
+/// require) to their default endpoint, the bench endpoint (see [`super::fleet`]).
 /// Returns when every client finished its last request.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_clients(
     workload: Arc<Workload>,
     documents: Arc<Vec<Arc<str>>>,
+    model: Arc<str>,
     routers: Vec<String>,
     concurrency: usize,
     stop_at: Instant,
@@ -68,9 +73,10 @@ pub async fn run_clients(
         let url: http::Uri = format!("{}/v1/chat/completions", routers[client % routers.len()])
             .parse()
             .expect("router URLs are valid");
-        let (w, docs, http, out) = (
+        let (w, docs, model, http, out) = (
             workload.clone(),
             documents.clone(),
+            model.clone(),
             http.clone(),
             out.clone(),
         );
@@ -79,7 +85,7 @@ pub async fn run_clients(
             let mut last_reply: Option<String> = None;
             while Instant::now() < stop_at {
                 let req = state.next(&w, &docs, last_reply.take());
-                let body = Bytes::from(req.body(ENDPOINT));
+                let body = Bytes::from(req.body(&model));
                 let started = Instant::now();
                 let result = send(&http, &url, body, started).await;
                 let done = Instant::now();
@@ -132,7 +138,6 @@ async fn send(
 ) -> anyhow::Result<Streamed> {
     let req = http::Request::post(url.clone())
         .header(http::header::CONTENT_TYPE, "application/json")
-        .header("x-endpoint-name", ENDPOINT)
         .body(Full::new(body))?;
     let resp = http.request(req).await?;
     let status = resp.status();

@@ -32,7 +32,7 @@ use engines::EngineShares;
 use fleet::{EngineCounters, EngineReading, Fleet, FleetSpec};
 use load::{Finished, PromptUsage, Sample};
 use report::{AutoscaleReport, BenchReport, PhaseHitRate, StrategyResult};
-use workload::{Workload, WorkloadKind};
+use workload::{CacheRegime, DocumentRole, Workload, WorkloadKind};
 
 /// `prefixctl bench` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -52,6 +52,21 @@ pub struct BenchArgs {
     /// texts (no strategy inherits another's warm cache).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["instances", "time_scale"])]
     pub engines: Vec<String>,
+    /// Document workloads (long-context, long-context-calibrated, autoscale): `user` sends the
+    /// document and the question as one user message; `system` sends the document as the
+    /// system message and the question as a user message after it.
+    #[arg(long, value_enum, default_value = "user")]
+    pub document_role: DocumentRole,
+    /// Document workloads: `ample` is the workload's own sizes; `small` is 8 documents and KV
+    /// caches of 3 documents per engine (fewer than half each; four engines hold each document
+    /// once). With --engines, size the engines' caches yourself (the bench says how).
+    #[arg(long, value_enum, default_value = "ample")]
+    pub cache_regime: CacheRegime,
+    /// The `model` field the clients send (default: with --engines, the first engine's model id
+    /// from its GET /v1/models; else `bench`, the bench endpoint's name). The bench's routers
+    /// send any model to the bench endpoint; a --router-url router may require the engines' id.
+    #[arg(long)]
+    pub model: Option<String>,
     /// Multiplies the workload's token sizes (documents, system prompts, messages, replies), its
     /// suggested prefix_length and the engines' KV capacity; e.g. 0.1 for small CPU engines.
     #[arg(long, default_value_t = 1.0)]
@@ -151,6 +166,30 @@ impl BenchArgs {
             "invalid --token-scale {}: must be in (0, 10]",
             self.token_scale
         );
+        if !self.workload.has_documents() {
+            anyhow::ensure!(
+                self.document_role == DocumentRole::default(),
+                "invalid --document-role {} for --workload {}: only the document workloads ({}) \
+                 have a document",
+                self.document_role.name(),
+                self.workload.name(),
+                WorkloadKind::DOCUMENT_WORKLOADS
+            );
+            anyhow::ensure!(
+                self.cache_regime == CacheRegime::default(),
+                "invalid --cache-regime {} for --workload {}: only the document workloads ({}) \
+                 have documents to size the caches by",
+                self.cache_regime.name(),
+                self.workload.name(),
+                WorkloadKind::DOCUMENT_WORKLOADS
+            );
+        }
+        if let Some(model) = &self.model {
+            anyhow::ensure!(
+                !model.trim().is_empty(),
+                "invalid --model {model:?}: must not be empty"
+            );
+        }
         if !self.engines.is_empty() {
             anyhow::ensure!(
                 self.workload != WorkloadKind::Autoscale,
@@ -186,9 +225,12 @@ impl BenchArgs {
         Ok(())
     }
 
-    /// The workload as run, with `salt` mixed into its texts and its sizes scaled.
+    /// The workload as run: its document role and cache regime, `salt` mixed into its texts,
+    /// and its sizes scaled (the cache regime's too).
     fn workload(&self, salt: u64) -> Workload {
-        let mut w = Workload::new(self.workload, self.seed);
+        let mut w = Workload::new(self.workload, self.seed)
+            .with_document_role(self.document_role)
+            .with_cache_regime(self.cache_regime);
         if salt != 0 {
             w = w.with_text_salt(salt);
         }
@@ -223,7 +265,16 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
         args.time_scale = 1.0;
         args.instances = args.engines.len() as u64;
     }
+    if args.model.is_none() {
+        args.model = Some(match args.engines.first() {
+            Some(engine) => engines_model(&metrics::http_client(), engine).await?,
+            None => fleet::ENDPOINT.to_string(),
+        });
+    }
     let workload = Arc::new(args.workload(0));
+    if external && args.cache_regime == CacheRegime::Small {
+        eprintln!("{}", engine_cache_advice(&workload));
+    }
     let documents = Arc::new(workload.documents());
     let mut results = Vec::new();
     let mut shares = Vec::new();
@@ -295,6 +346,48 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
     Ok(report)
 }
 
+/// The model id an engine serves: `data[0].id` of its `GET /v1/models`.
+async fn engines_model(http: &metrics::HttpClient, engine: &str) -> anyhow::Result<String> {
+    let url = format!("{engine}/v1/models");
+    let text = metrics::get_text(http, &url)
+        .await
+        .with_context(|| format!("reading the engines' model id from {url} (or give --model)"))?;
+    model_id(&url, &text)
+}
+
+/// `data[0].id` of a `GET /v1/models` answer from `url`.
+fn model_id(url: &str, text: &str) -> anyhow::Result<String> {
+    let v: serde_json::Value = serde_json::from_str(text)
+        .with_context(|| format!("reading the engines' model id from {url} (or give --model)"))?;
+    match v.pointer("/data/0/id").and_then(|id| id.as_str()) {
+        Some(id) if !id.trim().is_empty() => Ok(id.to_string()),
+        _ => anyhow::bail!(
+            "no model id in {url}: expected a non-empty data[0].id in its answer (or give --model)"
+        ),
+    }
+}
+
+/// llama.cpp's prompt cache per token of a workload document, in MiB: at `--token-scale 0.1`
+/// a prompt of an 800-token document (~1,330 tokens of the tiny model's tokenizer) takes about
+/// 1.3 MiB of `--cache-ram` (BENCHMARKS.md: 32 MiB hold ~24 of them).
+const LLAMA_CPP_MIB_PER_DOCUMENT_TOKEN: f64 = 1.33 / 800.0;
+
+/// `--cache-regime small` with `--engines`: how to give the engines, which the bench did not
+/// start, caches of the regime's size.
+fn engine_cache_advice(w: &Workload) -> String {
+    let mib = (w.kv_capacity_tokens as f64 * LLAMA_CPP_MIB_PER_DOCUMENT_TOKEN).ceil();
+    format!(
+        "--cache-regime small: the bench cannot size the caches of --engines; start them with \
+         room for {} documents of {} tokens ({} tokens) each, e.g. llama-server: \
+         CACHE_RAM_MIB={mib} scripts/llama-server/fleet.sh start (about {:.1} MiB per document \
+         with the tiny model)",
+        workload::SMALL_CACHE_DOCUMENTS_PER_ENGINE,
+        w.document_tokens,
+        w.kv_capacity_tokens,
+        w.document_tokens as f64 * LLAMA_CPP_MIB_PER_DOCUMENT_TOKEN,
+    )
+}
+
 /// The `--engines` run's Markdown section: named apart from engine-sim's section of the same
 /// workload (it does not replace it), with the per-engine table at its end.
 fn engines_markdown(
@@ -336,7 +429,17 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         time_scale: args.time_scale,
         seed: args.seed,
         engines: args.engines.clone(),
+        // With --engines the variant serves the engines' model (by its id, as the clients send
+        // it); engine-sims serve their own default.
+        model_name: (!args.engines.is_empty())
+            .then(|| args.model.clone())
+            .flatten(),
     }
+}
+
+/// The `model` the clients send (resolved by [`run`]).
+fn model(args: &BenchArgs) -> Arc<str> {
+    Arc::from(args.model.as_deref().unwrap_or(fleet::ENDPOINT))
 }
 
 fn progress(total: Duration, label: String) -> indicatif::ProgressBar {
@@ -415,6 +518,7 @@ async fn run_strategy(
     let clients = tokio::spawn(load::run_clients(
         workload.clone(),
         documents.clone(),
+        model(args),
         targets,
         args.concurrency as usize,
         stop_at,
@@ -711,6 +815,9 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         engines: Vec::new(),
         router_url: None,
         router_label: String::new(),
+        document_role: DocumentRole::User,
+        cache_regime: CacheRegime::Ample,
+        model: None,
         token_scale: 1.0,
         routers: 1,
         concurrency: args.concurrency,
@@ -739,6 +846,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let clients = tokio::spawn(load::run_clients(
         workload.clone(),
         documents,
+        model(&bench),
         fleet.router_urls(),
         args.concurrency as usize,
         stop_at,
@@ -899,6 +1007,117 @@ mod tests {
         );
         let e = invalid(&["--engines", "http://h:1", "--router-url", "r:1"]);
         assert!(e.contains("--router-url \"r:1\""), "{e}");
+    }
+
+    #[test]
+    fn document_flags_are_refused_for_the_chats() {
+        let invalid = |args: &[&str]| parse(args).unwrap().validate().unwrap_err().to_string();
+        for w in ["sharegpt", "system-prompt-chat", "system-prompt-long"] {
+            let e = invalid(&["--workload", w, "--document-role", "system"]);
+            assert!(
+                e.contains(&format!(
+                    "invalid --document-role system for --workload {w}"
+                )) && e.contains("long-context, long-context-calibrated, autoscale"),
+                "{e}"
+            );
+            let e = invalid(&["--workload", w, "--cache-regime", "small"]);
+            assert!(
+                e.contains(&format!("invalid --cache-regime small for --workload {w}")),
+                "{e}"
+            );
+            // the defaults, given or not, are fine
+            parse(&[
+                "--workload",
+                w,
+                "--document-role",
+                "user",
+                "--cache-regime",
+                "ample",
+            ])
+            .unwrap()
+            .validate()
+            .unwrap();
+        }
+        for w in ["long-context", "long-context-calibrated", "autoscale"] {
+            let args = parse(&[
+                "--workload",
+                w,
+                "--document-role",
+                "system",
+                "--cache-regime",
+                "small",
+            ])
+            .unwrap();
+            args.validate().unwrap();
+            let workload = args.workload(0);
+            assert_eq!(workload.document_role, DocumentRole::System);
+            assert_eq!(workload.cache_regime, CacheRegime::Small);
+        }
+        let e = parse(&["--document-role", "assistant"]).err().unwrap();
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue, "{e}");
+        let e = invalid(&["--model", " "]);
+        assert!(e.contains("invalid --model \" \""), "{e}");
+        let defaults = parse(&[]).unwrap();
+        assert_eq!(
+            (
+                defaults.document_role,
+                defaults.cache_regime,
+                defaults.model
+            ),
+            (DocumentRole::User, CacheRegime::Ample, None)
+        );
+    }
+
+    #[test]
+    fn the_small_regime_composes_with_the_token_scale() {
+        let args = parse(&["--cache-regime", "small", "--token-scale", "0.1"]).unwrap();
+        let w = args.workload(0);
+        assert_eq!((w.documents, w.document_tokens), (8, 800));
+        let (cap, doc) = (w.kv_capacity_tokens, w.document_tokens as u64);
+        assert!(cap >= 3 * doc && cap < 4 * doc, "{cap}");
+        assert!(4 * cap >= 8 * doc && 4 * cap < 16 * doc, "{cap}");
+        // what --engines is told: llama-server caches of ~1.3 MiB per document, 3 documents
+        let advice = engine_cache_advice(&w);
+        assert!(
+            advice.contains("CACHE_RAM_MIB=5 scripts/llama-server/fleet.sh")
+                && advice.contains("3 documents of 800 tokens")
+                && !advice.contains('\n'),
+            "{advice}"
+        );
+    }
+
+    #[test]
+    fn the_engines_model_is_data_0_id_of_their_model_list() {
+        let url = "http://h:1/v1/models";
+        let list = r#"{"object":"list","data":[{"id":"tiny.gguf","object":"model"},{"id":"b"}]}"#;
+        assert_eq!(model_id(url, list).unwrap(), "tiny.gguf");
+        for bad in [
+            "{}",
+            r#"{"data":[]}"#,
+            r#"{"data":[{"id":""}]}"#,
+            "not json",
+        ] {
+            let e = format!("{:#}", model_id(url, bad).unwrap_err());
+            assert!(e.contains(url) && e.contains("--model"), "{bad}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_engines_model_is_read_from_the_first_engine() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let config = engine_sim::Config::try_parse_from(["engine-sim"]).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(engine_sim::serve(l, config, async move {
+            let _ = stopped.await;
+        }));
+        let http = metrics::http_client();
+        assert_eq!(engines_model(&http, &url).await.unwrap(), fleet::SIM_MODEL);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+        // nothing listens there any more: the error names the URL
+        let e = format!("{:#}", engines_model(&http, &url).await.unwrap_err());
+        assert!(e.contains(&format!("{url}/v1/models")), "{e}");
     }
 
     #[test]

@@ -164,6 +164,9 @@ impl BenchReport {
             "hash_balance_factor": args.hash_balance_factor,
             "hot_key_spread": args.hot_key_spread,
             "footprint_gain": args.footprint_gain,
+            "document_role": workload.document_role,
+            "cache_regime": workload.cache_regime,
+            "model": args.model,
             "workload": workload,
             "date": today(),
         });
@@ -257,11 +260,17 @@ impl BenchReport {
         }
     }
 
-    /// The workload, and the number of routers when there are several: one Markdown section each.
-    /// The workload, with the number of routers when there are several and the seed when it is
-    /// not 1: one Markdown section each, so runs of several seeds stand side by side.
+    /// The workload, with the document role and the cache regime when they are not the
+    /// defaults, the number of routers when there are several and the seed when it is not 1: one
+    /// Markdown section each, so runs of several seeds stand side by side.
     pub fn section(&self) -> String {
         let mut parts = Vec::new();
+        if self.config["document_role"] == "system" {
+            parts.push("system role".to_string());
+        }
+        if self.config["cache_regime"] == "small" {
+            parts.push("small caches".to_string());
+        }
         if let Some(r) = self.config["routers"].as_u64().filter(|&r| r > 1) {
             parts.push(format!("{r} routers"));
         }
@@ -614,6 +623,13 @@ mod tests {
         assert_eq!(r.section(), "long-context (4 routers, seed 2)");
         r.config["routers"] = serde_json::json!(1);
         assert_eq!(r.section(), "long-context (seed 2)");
+        r.config["seed"] = serde_json::json!(1);
+        r.config["document_role"] = serde_json::json!("system");
+        r.config["cache_regime"] = serde_json::json!("small");
+        assert_eq!(r.section(), "long-context (system role, small caches)");
+        r.config["document_role"] = serde_json::json!("user");
+        r.config["cache_regime"] = serde_json::json!("ample");
+        assert_eq!(r.section(), "long-context");
     }
 
     #[test]

@@ -33,6 +33,20 @@ pub enum WorkloadKind {
 }
 
 impl WorkloadKind {
+    /// The workloads whose requests each carry one document of a pool (see
+    /// [`ClientState::next`]); the others are chats.
+    pub const DOCUMENT_WORKLOADS: &'static str = "long-context, long-context-calibrated, autoscale";
+
+    /// Whether each request carries one document of a pool (the others are chats).
+    pub fn has_documents(self) -> bool {
+        matches!(
+            self,
+            WorkloadKind::LongContext
+                | WorkloadKind::LongContextCalibrated
+                | WorkloadKind::Autoscale
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             WorkloadKind::LongContext => "long-context",
@@ -44,6 +58,56 @@ impl WorkloadKind {
         }
     }
 }
+
+/// Where a document workload's request puts its document (`prefixctl bench --document-role`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DocumentRole {
+    /// One user message: the document, then the question.
+    #[default]
+    User,
+    /// The document alone as the system message, the question as a user message after it.
+    System,
+}
+
+impl DocumentRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            DocumentRole::User => "user",
+            DocumentRole::System => "system",
+        }
+    }
+}
+
+/// How large the engines' KV caches are against a document workload's documents
+/// (`prefixctl bench --cache-regime`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheRegime {
+    /// The workload's own sizes: the distinct documents overflow one engine but fit the fleet.
+    #[default]
+    Ample,
+    /// [`SMALL_CACHE_DOCUMENTS`] documents and caches of [`SMALL_CACHE_DOCUMENTS_PER_ENGINE`]
+    /// documents each: one engine holds fewer than half of them, four hold each once.
+    Small,
+}
+
+impl CacheRegime {
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheRegime::Ample => "ample",
+            CacheRegime::Small => "small",
+        }
+    }
+}
+
+/// Documents in the pool under [`CacheRegime::Small`].
+pub const SMALL_CACHE_DOCUMENTS: usize = 8;
+/// Documents one engine's KV cache holds under [`CacheRegime::Small`].
+pub const SMALL_CACHE_DOCUMENTS_PER_ENGINE: usize = 3;
+/// Room for the questions beside the documents under [`CacheRegime::Small`], as a share of the
+/// documents' tokens.
+pub const SMALL_CACHE_QUESTION_MARGIN: f64 = 0.05;
 
 pub const BYTES_PER_TOKEN: usize = 4;
 
@@ -117,6 +181,11 @@ pub struct Workload {
     /// Mixed into every generated text: two workloads with different salts share no prefix, so
     /// one strategy's run does not inherit another's warm cache on engines that keep running.
     pub text_salt: u64,
+    /// Document workloads: the message that carries the document.
+    pub document_role: DocumentRole,
+    /// Document workloads: the engines' caches against the documents (sets `documents` and
+    /// `kv_capacity_tokens`).
+    pub cache_regime: CacheRegime,
     #[serde(skip)]
     vocabulary: Vec<String>,
 }
@@ -139,6 +208,8 @@ impl Workload {
             answer_tokens: 0,
             prefix_length: 4096,
             text_salt: 0,
+            document_role: DocumentRole::User,
+            cache_regime: CacheRegime::Ample,
             vocabulary: vocabulary(seed),
         };
         match kind {
@@ -203,6 +274,32 @@ impl Workload {
     pub fn with_text_salt(mut self, salt: u64) -> Self {
         self.text_salt = salt;
         self.vocabulary = vocabulary(self.seed ^ salt.wrapping_mul(0xA24B_AED4_963E_E407));
+        self
+    }
+
+    /// The same workload with its documents in `role` messages (document workloads only; the
+    /// chats keep their messages).
+    pub fn with_document_role(mut self, role: DocumentRole) -> Self {
+        if self.kind.has_documents() {
+            self.document_role = role;
+        }
+        self
+    }
+
+    /// The same workload under `regime` (document workloads only; the chats keep their sizes).
+    /// [`CacheRegime::Small`]: [`SMALL_CACHE_DOCUMENTS`] documents of the same length and Zipf
+    /// exponent, and room for [`SMALL_CACHE_DOCUMENTS_PER_ENGINE`] of them (plus
+    /// [`SMALL_CACHE_QUESTION_MARGIN`] for the questions) in each engine's KV cache.
+    pub fn with_cache_regime(mut self, regime: CacheRegime) -> Self {
+        if !self.kind.has_documents() {
+            return self;
+        }
+        self.cache_regime = regime;
+        if regime == CacheRegime::Small {
+            self.documents = SMALL_CACHE_DOCUMENTS;
+            let held = (SMALL_CACHE_DOCUMENTS_PER_ENGINE * self.document_tokens) as f64;
+            self.kv_capacity_tokens = (held * (1.0 + SMALL_CACHE_QUESTION_MARGIN)).ceil() as u64;
+        }
         self
     }
 
@@ -317,15 +414,28 @@ impl ClientState {
         let zipf = Zipf::new(w.documents as f64, w.zipf_exponent).expect("valid Zipf parameters");
         let doc = zipf.sample(&mut self.rng) as usize - 1;
         let question = w.text_from(&mut self.rng, 40);
-        let content = format!(
-            "{}\n\nQuestion from client {} #{}: {question}?",
-            documents[doc], self.client, self.served
+        let question = format!(
+            "Question from client {} #{}: {question}?",
+            self.client, self.served
         );
-        Request {
-            messages: vec![Message {
+        let messages = match w.document_role {
+            DocumentRole::User => vec![Message {
                 role: "user",
-                content,
+                content: format!("{}\n\n{question}", documents[doc]),
             }],
+            DocumentRole::System => vec![
+                Message {
+                    role: "system",
+                    content: documents[doc].to_string(),
+                },
+                Message {
+                    role: "user",
+                    content: question,
+                },
+            ],
+        };
+        Request {
+            messages,
             max_tokens: w.answer_tokens,
             affinity: doc as u64,
         }
@@ -413,6 +523,70 @@ mod tests {
         // Overflows one engine, fits the fleet of 7.
         let pool = (w.documents * w.document_tokens) as u64;
         assert!(pool > w.kv_capacity_tokens && pool < 7 * w.kv_capacity_tokens);
+    }
+
+    #[test]
+    fn the_system_role_puts_the_document_alone_in_the_system_message() {
+        let user = Workload::new(WorkloadKind::LongContext, 3);
+        let system =
+            Workload::new(WorkloadKind::LongContext, 3).with_document_role(DocumentRole::System);
+        assert_eq!(system.document_role, DocumentRole::System);
+        let (du, ds) = (docs(&user), docs(&system));
+        let (mut cu, mut cs) = (user.client(5), system.client(5));
+        for _ in 0..50 {
+            let (u, s) = (cu.next(&user, &du, None), cs.next(&system, &ds, None));
+            assert_eq!(
+                u.affinity, s.affinity,
+                "the same document for the same seed"
+            );
+            assert_eq!(u.max_tokens, s.max_tokens);
+            let doc = &*ds[s.affinity as usize];
+            assert_eq!(s.messages.len(), 2);
+            assert_eq!(s.messages[0].role, "system");
+            assert_eq!(s.messages[0].content, doc, "the document alone");
+            assert_eq!(s.messages[1].role, "user");
+            let question = &s.messages[1].content;
+            assert!(
+                question.starts_with("Question from client 5 #") && question.ends_with('?'),
+                "{question}"
+            );
+            // the user role: one message, the same document and question
+            assert_eq!(u.messages.len(), 1);
+            assert_eq!(u.messages[0].role, "user");
+            assert_eq!(u.messages[0].content, format!("{doc}\n\n{question}"));
+        }
+    }
+
+    #[test]
+    fn the_small_regime_holds_fewer_than_half_of_the_documents_per_engine() {
+        for kind in [
+            WorkloadKind::LongContext,
+            WorkloadKind::LongContextCalibrated,
+            WorkloadKind::Autoscale,
+        ] {
+            let ample = Workload::new(kind, 1);
+            let w = Workload::new(kind, 1).with_cache_regime(CacheRegime::Small);
+            assert_eq!(w.cache_regime, CacheRegime::Small);
+            assert_eq!(w.documents, 8);
+            assert_eq!(w.zipf_exponent, ample.zipf_exponent, "{kind:?}");
+            assert_eq!(w.document_tokens, ample.document_tokens, "{kind:?}");
+            let (cap, doc) = (w.kv_capacity_tokens, w.document_tokens as u64);
+            // each engine: 3 documents with room for questions, not a 4th; fewer than half of 8
+            assert!(cap >= 3 * doc + 3 * 60 && cap < 4 * doc, "{kind:?}: {cap}");
+            assert!(cap / doc < w.documents as u64 / 2, "{kind:?}");
+            // four engines: every document once (8 fit in 12), not twice (16)
+            assert!(4 * cap >= 8 * doc && 4 * cap < 16 * doc, "{kind:?}");
+        }
+        let chat = Workload::new(WorkloadKind::Sharegpt, 1).with_cache_regime(CacheRegime::Small);
+        assert_eq!(
+            chat.cache_regime,
+            CacheRegime::Ample,
+            "chats keep their sizes"
+        );
+        assert_eq!(
+            chat.kv_capacity_tokens,
+            Workload::new(WorkloadKind::Sharegpt, 1).kv_capacity_tokens
+        );
     }
 
     #[test]

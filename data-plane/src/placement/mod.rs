@@ -155,9 +155,12 @@ pub struct Route<'t> {
     /// The rule that chose the instance (finer than `decision`: the label of the token counters
     /// and what the engines' reports are held against).
     pub rule: Rule,
-    /// PREFIX_AWARE: this router had sent the same prefix to the same instance within the
-    /// window, so the engine should find it cached (see [`crate::feedback`]).
+    /// PREFIX_AWARE: a request with the same prefix finished on the same instance before, so
+    /// the engine should find it cached (see [`crate::feedback`]).
     pub revisit: bool,
+    /// PREFIX_AWARE: the hash of (cached prefix, instance), recorded as served when the response
+    /// ends ([`crate::load::ServedPrefixes`]); 0 otherwise.
+    pub placed: u64,
     /// The prompt key hash (PREFIX_AWARE only).
     pub key: Option<u64>,
     /// Blocks of the prompt prefix hashed into the key (PREFIX_AWARE only, else 0): the prefix
@@ -270,13 +273,13 @@ impl Placement {
             endpoint: endpoint.name().to_string(),
             variant: variant.name().to_string(),
         })?;
-        let mut revisit = false;
+        let (mut revisit, mut placed) = (false, 0);
         if let Some(k) = key {
             let state = variant.instances()[instance].state();
             // The prefix the instance's cache must hold for this request: the shared head of a
             // deepened conversation, else the key's own prefix.
             let cached = conversation.map_or(k, |c| c.head);
-            let placed = fmix64(cached ^ variant.id_hashes()[instance]);
+            placed = fmix64(cached ^ variant.id_hashes()[instance]);
             let recorded = match conversation {
                 Some(c) => variant.load().record(state, &[k, c.head], placed),
                 None => variant.load().record(state, &[k], placed),
@@ -293,6 +296,7 @@ impl Placement {
             decision,
             rule,
             revisit,
+            placed,
             key,
             key_blocks,
         })

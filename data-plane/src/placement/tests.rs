@@ -974,9 +974,11 @@ fn serve(
         cache.push_front(d);
         cache.truncate(capacity);
         let report = if hit { HIT } else { MISS };
+        // the response ends: the router learns, and the prefix counts as served there
         v.load()
             .feedback()
             .learn(r.rule, r.revisit, report, now_ms(), &p.tuning().feedback);
+        v.load().served().insert(r.placed);
         if i >= skip {
             measured += 1;
             hits += usize::from(hit);
