@@ -96,6 +96,10 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
     /// A short live demo: RANDOM, then PREFIX_AWARE switched in with UpdateEndpointConfig, side by side.
     Demo(crate::bench::DemoArgs),
+    /// A live view of the engines' prefix-cache reports, read from data planes' /metrics: per
+    /// instance and placement rule, the share of prompt tokens served from cache, and the
+    /// PREFIX_AWARE rule gates.
+    Top(TopArgs),
     /// Prints a shell completion script (e.g. `prefixctl completions bash > /etc/bash_completion.d/prefixctl`).
     Completions(CompletionsArgs),
 }
@@ -125,9 +129,11 @@ impl Command {
                 InstanceCommand::Renew(_) => "instance renew",
             },
             Command::RoutingTable(RoutingTableCommand::Watch(_)) => "routing-table watch",
-            Command::Up(_) | Command::Bench(_) | Command::Demo(_) | Command::Completions(_) => {
-                return None
-            }
+            Command::Up(_)
+            | Command::Bench(_)
+            | Command::Demo(_)
+            | Command::Top(_)
+            | Command::Completions(_) => return None,
         })
     }
 }
@@ -310,6 +316,35 @@ pub struct UpArgs {
 }
 
 #[derive(Debug, Clone, Args)]
+#[command(
+    after_help = "Per endpoint and variant: per instance, requests/s, requests in flight, prompt \
+                        tokens/s and HIT, the share of prompt tokens the engine reported served from its \
+                        cache (NOW: over the last interval; TOTAL: since the routers started); per placement \
+                        rule (decision), prompt tokens and HIT; and each PREFIX_AWARE rule gate, open or \
+                        closed (closed while the engines report that its revisits miss) and how many times \
+                        it closed. Counters are summed over the routers. A router that does not answer is \
+                        named in one line; --once fails only when none answers."
+)]
+pub struct TopArgs {
+    /// Data-plane base URLs (their GET /metrics is read), comma-separated; the view sums them.
+    #[arg(
+        long,
+        value_name = "URL[,URL...]",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub router_url: Vec<String>,
+    /// Seconds between refreshes (0.1 to 3600).
+    #[arg(long, value_name = "SECS", default_value_t = 2.0)]
+    pub interval: f64,
+    /// Print one snapshot of the cumulative counters and exit (with --output json: one JSON
+    /// document). Without it, refreshes until Ctrl-C (the screen is cleared between refreshes on
+    /// a terminal; with --output json, one JSON object per line).
+    #[arg(long)]
+    pub once: bool,
+}
+
+#[derive(Debug, Clone, Args)]
 pub struct CompletionsArgs {
     /// bash, zsh, fish, elvish or powershell.
     #[arg(value_enum)]
@@ -361,6 +396,33 @@ mod tests {
             "RANDOM"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn top_takes_several_router_urls() {
+        let cli = Cli::try_parse_from([
+            "prefixctl",
+            "top",
+            "--router-url",
+            "http://a:1,http://b:2",
+            "--router-url",
+            "http://c:3",
+            "--once",
+            "--output",
+            "json",
+        ])
+        .unwrap();
+        let Command::Top(top) = cli.command else {
+            panic!("not top: {:?}", cli.command)
+        };
+        assert_eq!(top.router_url, ["http://a:1", "http://b:2", "http://c:3"]);
+        assert_eq!(top.interval, 2.0);
+        assert!(top.once);
+        assert_eq!(cli.output, OutputFormat::Json);
+        assert!(
+            Cli::try_parse_from(["prefixctl", "top"]).is_err(),
+            "--router-url is required"
+        );
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! - [`shapes`]: the `--output json` documents (PascalCase) and their table renderings;
 //!   [`output`]: printing (tables, JSON, RFC 3339 times).
 //! - [`up`]: the all-in-one local fleet (embedded control plane, data plane, engine-sim engines).
+//! - [`top`]: `top`, the live view of the engines' cache reports per instance and placement
+//!   rule, read from data planes' `/metrics`.
 //! - [`bench`]: `bench` and `demo`: workloads, an in-process fleet per strategy, closed-loop load,
 //!   the report (JSON, table, BENCHMARKS.md section, SVG plot).
 //!
@@ -24,6 +26,7 @@ pub mod bench;
 pub mod commands;
 pub mod output;
 pub mod shapes;
+pub mod top;
 pub mod up;
 pub mod variants;
 
@@ -63,6 +66,7 @@ async fn run_command(cli: Cli) -> anyhow::Result<()> {
         Command::Up(a) => up::run(a, cli.output).await,
         Command::Bench(a) => bench::run(a.clone()).await.map(|_| ()),
         Command::Demo(a) => bench::demo(a.clone()).await,
+        Command::Top(a) => top::run(a, cli.output).await,
         Command::Completions(a) => {
             let mut out = Vec::new();
             clap_complete::generate(a.shell, &mut Cli::command(), "prefixctl", &mut out);
@@ -85,10 +89,12 @@ pub fn main(cli: Cli) -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        // Logs (and traces, with --otlp-endpoint) for the API commands and `up`; `bench` and
-        // `demo` keep stderr for their own progress. Dropped at the end: flushes the last spans.
+        // Logs (and traces, with --otlp-endpoint) for the API commands and `up`; `bench`,
+        // `demo` and `top` keep stderr for their own messages. Dropped at the end: flushes the last spans.
         let _telemetry = match &cli.command {
-            Command::Bench(_) | Command::Demo(_) | Command::Completions(_) => None,
+            Command::Bench(_) | Command::Demo(_) | Command::Top(_) | Command::Completions(_) => {
+                None
+            }
             _ => Some(cli.telemetry.init("prefixctl")),
         };
         run(cli).await

@@ -9,7 +9,11 @@
 //! - [`prompt`]: the affinity key, hashed from the body bytes (canonical prompt text, 64-byte
 //!   chained blocks).
 //! - [`placement`]: endpoint / variant / instance choice: RANDOM, LEAST_OUTSTANDING_REQUESTS,
-//!   PREFIX_AWARE (rendezvous hashing with bounded load and a [`prefix_index::PrefixIndex`]).
+//!   PREFIX_AWARE (rendezvous hashing with bounded load and a [`prefix_index::PrefixIndex`]; its
+//!   objective and constants in [`placement::Tuning`]).
+//! - [`usage`]: the engines' own cache reports, read from response bodies as they pass;
+//!   [`feedback`]: the rules of PREFIX_AWARE that spend cache, closed while those reports say
+//!   their revisits miss.
 //! - [`load`]: in-flight counters (an RAII guard held until the response body ends) and passive
 //!   health (ejection after repeated failures).
 //! - `proxy`: HTTP handling and forwarding (hyper 1, pooled keep-alive connections, streamed
@@ -23,8 +27,11 @@
 //! - A request keeps the table it started with (it holds an `Arc`); a swap never blocks requests.
 //! - An invalid table is NACKed and the last good one keeps serving; with the control plane gone,
 //!   routing goes on (static stability).
-//! - Placement is a pure function of (table, prompt, in-flight counts): replicas with the same
-//!   table send the same prompt to the same instance while it has room.
+//! - Placement depends on the table, the prompt, in-flight counts, and this router's own
+//!   estimates of recent traffic and of what the engines reported; with the rules that spend
+//!   cache closed (or before any estimate), it is the plain rendezvous ranking under the
+//!   in-flight bound, so replicas with the same table send the same prompt to the same instance
+//!   while it has room.
 //! - No lock is held across an `.await`; the request path takes no global lock (the prefix index
 //!   is sharded and only touched when a key spills).
 

@@ -1,5 +1,7 @@
 //! Reading the servers' Prometheus `/metrics` text: counter sums and histogram quantiles.
 
+use std::borrow::Cow;
+
 use anyhow::Context;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -53,28 +55,148 @@ pub async fn get_text(client: &HttpClient, url: &str) -> anyhow::Result<String> 
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
-/// The samples of `name` (any labels), as (labels, value).
-fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+/// One sample line of the Prometheus text format: `name{label="value",...} value [timestamp]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample<'a> {
+    pub name: &'a str,
+    /// Label names and values in their order on the line, values unescaped.
+    pub labels: Vec<(&'a str, Cow<'a, str>)>,
+    pub value: f64,
+}
+
+impl Sample<'_> {
+    /// The value of label `name`, if the sample carries it.
+    pub fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_ref())
+    }
+}
+
+/// Every sample in `text`, in order. Comments (`# HELP`, `# TYPE`), blank lines and lines that do
+/// not parse are skipped.
+pub fn parse(text: &str) -> impl Iterator<Item = Sample<'_>> + '_ {
+    text.lines().filter_map(|line| parse_line(line, None))
+}
+
+/// The samples of metric `name` (any labels). Labels are parsed only on lines of that name.
+pub fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = Sample<'a>> + 'a {
     text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(move |line| {
-            let rest = line.strip_prefix(name)?;
-            let (labels, value) = if let Some(r) = rest.strip_prefix('{') {
-                let end = r.find('}')?;
-                (&r[..end], r[end + 1..].trim())
-            } else if rest.starts_with(' ') {
-                ("", rest.trim())
-            } else {
-                return None;
-            };
-            let value = value.split_whitespace().next()?.parse().ok()?;
-            Some((labels, value))
-        })
+        .filter_map(move |line| parse_line(line, Some(name)))
+}
+
+/// One line as a sample (`None`: a comment, a blank line, a line that does not parse, or, with
+/// `only`, another metric). Label values may hold any character, `}` and `,` included; `\\`,
+/// `\"` and `\n` are unescaped. The value may be `+Inf`, `-Inf` or `NaN`; a timestamp after it is
+/// ignored.
+fn parse_line<'a>(line: &'a str, only: Option<&str>) -> Option<Sample<'a>> {
+    let line = line.trim_start();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .unwrap_or(line.len());
+    let name = &line[..name_end];
+    if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+        return None;
+    }
+    if only.is_some_and(|only| only != name) {
+        return None;
+    }
+    let mut rest = line[name_end..].trim_start();
+    let mut labels = Vec::new();
+    if let Some(after) = rest.strip_prefix('{') {
+        rest = parse_labels(after, &mut labels)?;
+    } else if rest.len() == line.len() - name_end {
+        // No whitespace between the name and the value: not a sample line.
+        return None;
+    }
+    let value = parse_value(rest.split_whitespace().next()?)?;
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// Parses `name="value", ...}` (the text after `{`) into `out`; returns the text after `}`.
+fn parse_labels<'a>(mut rest: &'a str, out: &mut Vec<(&'a str, Cow<'a, str>)>) -> Option<&'a str> {
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some(after);
+        }
+        let name_end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
+        let name = &rest[..name_end];
+        if name.is_empty() {
+            return None;
+        }
+        rest = rest[name_end..].trim_start().strip_prefix('=')?;
+        rest = rest.trim_start().strip_prefix('"')?;
+        // The value runs to the first quote that no backslash escapes.
+        let mut escaped = false;
+        let mut has_escapes = false;
+        let mut end = None;
+        for (i, c) in rest.char_indices() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => {
+                    escaped = true;
+                    has_escapes = true;
+                }
+                '"' => {
+                    end = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let end = end?;
+        let raw = &rest[..end];
+        let value = if has_escapes {
+            Cow::Owned(unescape(raw))
+        } else {
+            Cow::Borrowed(raw)
+        };
+        out.push((name, value));
+        rest = rest[end + 1..].trim_start();
+        if let Some(after) = rest.strip_prefix(',') {
+            rest = after;
+        } else if !rest.starts_with('}') {
+            return None;
+        }
+    }
+}
+
+/// A label value's escapes: `\\` backslash, `\"` quote, `\n` newline; any other escaped
+/// character stands for itself.
+fn unescape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some(other) => out.push(other),
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// A sample value: a float, `+Inf`, `-Inf` or `NaN` (any case, as Rust parses them).
+fn parse_value(text: &str) -> Option<f64> {
+    text.parse().ok()
 }
 
 /// Sum of every sample of metric `name`.
 pub fn sum(text: &str, name: &str) -> f64 {
-    samples(text, name).map(|(_, v)| v).sum()
+    samples(text, name).map(|s| s.value).sum()
 }
 
 /// Whether the text has at least one sample of metric `name`.
@@ -168,14 +290,10 @@ impl Histogram {
     pub fn parse(text: &str, name: &str) -> Self {
         let bucket_name = format!("{name}_bucket");
         let mut buckets: Vec<(f64, f64)> = Vec::new();
-        for (labels, value) in samples(text, &bucket_name) {
-            let Some(le) = labels
-                .split(',')
-                .find_map(|kv| kv.trim().strip_prefix("le="))
-            else {
+        for sample in samples(text, &bucket_name) {
+            let (Some(le), value) = (sample.label("le"), sample.value) else {
                 continue;
             };
-            let le = le.trim_matches('"');
             let bound = if le == "+Inf" {
                 f64::INFINITY
             } else {
@@ -264,6 +382,36 @@ mod tests {
     #[test]
     fn sums_counters_over_labels_only_for_that_name() {
         assert_eq!(sum(TEXT, "c_total"), 7.5);
+    }
+
+    #[test]
+    fn parses_names_escaped_labels_and_special_values() {
+        let text = "# HELP m_total a \"help\" line\n\
+            # TYPE m_total counter\n\
+            \n\
+            m_total{a=\"x\\\"}, y\",b=\"back\\\\slash\",c=\"line\\nbreak\",} 12 1700000000000\n\
+            m_total { a = \"sp\" } +Inf\n\
+            plain 3.5e2\n\
+            nan_one NaN\n\
+            broken{a=\"unterminated} 1\n\
+            nolabelvalue{a=x} 1\n\
+            novalue{a=\"x\"}\n\
+            glued1\n";
+        let all: Vec<Sample> = parse(text).collect();
+        assert_eq!(all.len(), 4, "{all:?}");
+        assert_eq!(all[0].name, "m_total");
+        assert_eq!(all[0].label("a"), Some("x\"}, y"));
+        assert_eq!(all[0].label("b"), Some("back\\slash"));
+        assert_eq!(all[0].label("c"), Some("line\nbreak"));
+        assert_eq!(all[0].label("d"), None);
+        assert_eq!(all[0].value, 12.0, "the timestamp is not the value");
+        assert_eq!(all[1].label("a"), Some("sp"));
+        assert_eq!(all[1].value, f64::INFINITY);
+        assert_eq!((all[2].name, all[2].value), ("plain", 350.0));
+        assert!(all[3].value.is_nan());
+        assert_eq!(sum(text, "m_total"), f64::INFINITY);
+        assert_eq!(samples(text, "plain").count(), 1);
+        assert_eq!(samples(text, "plai").count(), 0);
     }
 
     #[test]

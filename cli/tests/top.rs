@@ -1,0 +1,220 @@
+//! `prefixctl top --once` against canned data-plane `/metrics` served on loopback: two routers
+//! summed into one JSON document, a router that does not answer named on stderr, and a failure
+//! only when none answers.
+
+use std::io::{Read as _, Write as _};
+use std::net::TcpListener;
+
+use assert_cmd::Command;
+use serde_json::Value;
+
+/// Serves `body` as `GET /metrics` (any request) on 127.0.0.1:0 from a thread, until the test
+/// process ends; returns its base URL.
+fn serve_metrics(body: &'static str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    url
+}
+
+/// A loopback URL nothing listens on.
+fn closed_url() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+const ROUTER_A: &str = r#"# HELP prefix_router_requests_total Requests by endpoint, variant, instance, routing decision and response status.
+# TYPE prefix_router_requests_total counter
+prefix_router_requests_total{endpoint="",variant="",instance="",decision="none",status="404"} 1
+prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash",status="200"} 10
+prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="hot_replica",status="200"} 5
+# TYPE prefix_router_prompt_tokens_total counter
+prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 1000
+prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="hot_replica"} 500
+# TYPE prefix_router_cached_prompt_tokens_total counter
+prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 800
+prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="hot_replica"} 50
+# TYPE prefix_router_placement_rule_open gauge
+prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="variant"} 1
+prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="hot_replica"} 0
+# TYPE prefix_router_placement_rule_closed_total counter
+prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="variant"} 0
+prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="hot_replica"} 1
+# TYPE prefix_router_instance_in_flight gauge
+prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 2
+prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002"} 0
+"#;
+
+const ROUTER_B: &str = r#"prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash",status="200"} 6
+prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 1000
+prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 600
+prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="variant"} 1
+prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="hot_replica"} 0
+prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="variant"} 0
+prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="hot_replica"} 2
+prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 1
+"#;
+
+#[test]
+fn once_sums_two_routers_into_one_json_document_and_names_the_one_that_is_down() {
+    let (a, b, down) = (
+        serve_metrics(ROUTER_A),
+        serve_metrics(ROUTER_B),
+        closed_url(),
+    );
+    let out = Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args([
+            "top",
+            "--router-url",
+            &format!("{a},{b}/"),
+            "--router-url",
+            &down,
+            "--once",
+            "--output",
+            "json",
+        ])
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines: Vec<_> = stderr.lines().collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one line for the router that is down: {stderr}"
+    );
+    assert!(
+        lines[0].starts_with(&format!("router {down} did not answer: ")),
+        "{stderr}"
+    );
+
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON document");
+    let routers = doc["Routers"].as_array().unwrap();
+    assert_eq!(routers.len(), 3);
+    assert_eq!(routers[0]["Answered"], true);
+    assert_eq!(routers[2]["Url"], down.as_str());
+    assert_eq!(routers[2]["Answered"], false);
+    assert!(routers[2]["Error"].as_str().unwrap().contains(&down));
+
+    let variants = doc["Variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 1, "unrouted requests are left out: {doc}");
+    let v = &variants[0];
+    assert_eq!(
+        (&v["Endpoint"], &v["Variant"]),
+        (&"chat".into(), &"v1".into())
+    );
+    let i1 = &v["Instances"][0];
+    assert_eq!(i1["Instance"], "http://127.0.0.1:9001");
+    assert_eq!(i1["Requests"], 16);
+    assert_eq!(i1["InFlight"], 3);
+    assert_eq!(i1["PromptTokens"], 2000);
+    assert_eq!(i1["CachedPromptTokens"], 1400);
+    assert_eq!(i1["CachedShare"], 0.7);
+    assert!(i1.get("Interval").is_none(), "--once has no rates");
+    assert_eq!(v["Instances"][1]["CachedShare"], 0.1);
+
+    let decisions: Vec<(&str, f64)> = v["Decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["Decision"].as_str().unwrap(),
+                d["CachedShare"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(decisions, [("prefix_hash", 0.7), ("hot_replica", 0.1)]);
+
+    let gates: Vec<(&str, bool, u64, u64)> = v["RuleGates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["Rule"].as_str().unwrap(),
+                g["Open"].as_bool().unwrap(),
+                g["Routers"].as_u64().unwrap(),
+                g["ClosedTotal"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        gates,
+        [("variant", true, 2, 0), ("hot_replica", false, 2, 3)]
+    );
+}
+
+#[test]
+fn once_prints_a_table_and_fails_only_when_no_router_answers() {
+    let a = serve_metrics(ROUTER_A);
+    let out = Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args(["top", "--router-url", &a, "--once"])
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "endpoint chat  variant v1",
+        "hot_replica  closed  1",
+        "prefix_hash  1000           80.0%",
+    ] {
+        assert!(table.contains(line), "{line:?} missing in\n{table}");
+    }
+
+    let (x, y) = (closed_url(), closed_url());
+    let out = Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args(["top", "--router-url", &format!("{x},{y}"), "--once"])
+        .timeout(std::time::Duration::from_secs(30))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("router {x} did not answer")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("router {y} did not answer")),
+        "{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("error: no router answered"),
+        "{stderr}"
+    );
+
+    Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args(["top", "--router-url", "https://a:1", "--once"])
+        .assert()
+        .code(2);
+}
