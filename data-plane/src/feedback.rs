@@ -22,7 +22,7 @@
 //!
 //! Engines that report nothing (no usage in their responses) teach nothing: the gates stay open.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::usage::CacheReport;
 
@@ -76,10 +76,12 @@ pub enum Rule {
     Spill = 7,
     /// PREFIX_AWARE: the key's choices were over their in-flight bound, ejected or excluded.
     OverloadBypass = 8,
+    /// PREFIX_AWARE: a key moved off an instance whose cache overflows ([`InstanceCache`]).
+    Relief = 9,
 }
 
 impl Rule {
-    pub const COUNT: usize = 9;
+    pub const COUNT: usize = 10;
     pub const ALL: [Rule; Rule::COUNT] = [
         Rule::Random,
         Rule::LeastOutstanding,
@@ -90,6 +92,7 @@ impl Rule {
         Rule::Reweighed,
         Rule::Spill,
         Rule::OverloadBypass,
+        Rule::Relief,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -103,6 +106,7 @@ impl Rule {
             Rule::Reweighed => "reweighed",
             Rule::Spill => "spill",
             Rule::OverloadBypass => "overload_bypass",
+            Rule::Relief => "relief",
         }
     }
 
@@ -139,9 +143,15 @@ impl Gate {
         self.closings.load(Relaxed)
     }
 
+    /// Strikes not yet taken away by good windows (0: the gate has nothing against it).
+    pub fn strikes(&self) -> u32 {
+        self.strikes.load(Relaxed)
+    }
+
     /// Counts one revisit; at the end of a window, closes the gate when its misses passed the
-    /// limit. True when this call closed it.
-    fn observe(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
+    /// limit. `Some(true)` when this call ended a window and closed the gate, `Some(false)` when
+    /// it ended a good window, `None` inside a window.
+    fn observe(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) -> Option<bool> {
         if miss {
             self.misses.fetch_add(1, Relaxed);
         }
@@ -152,7 +162,7 @@ impl Gate {
                 .compare_exchange(n, 0, Relaxed, Relaxed)
                 .is_err()
         {
-            return false;
+            return None;
         }
         let misses = self.misses.swap(0, Relaxed);
         let strikes = self.strikes.load(Relaxed);
@@ -161,13 +171,13 @@ impl Gate {
                 .hold_ms
                 .saturating_mul(1 << strikes.min(16))
                 .min(t.max_hold_ms);
-            self.strikes.store(strikes + 1, Relaxed);
+            self.strikes.store((strikes + 1).min(MAX_STRIKES), Relaxed);
             let until = now_ms + hold;
             if until > self.closed_until_ms.load(Relaxed) {
                 self.closed_until_ms.store(until, Relaxed);
             }
             self.closings.fetch_add(1, Relaxed);
-            true
+            Some(true)
         } else {
             // A good window after the gate has been open as long as its last hold takes one
             // strike away: a rule that pays again is trusted again, step by step.
@@ -178,8 +188,65 @@ impl Gate {
             {
                 self.strikes.store(strikes - 1, Relaxed);
             }
-            false
+            Some(false)
         }
+    }
+}
+
+/// Most eighths of an overflowing instance's keys that go elsewhere.
+const MAX_RELIEF: u32 = 6;
+/// Strikes a gate remembers (its hold stops doubling well before: see `max_hold_ms`).
+const MAX_STRIKES: u32 = 8;
+
+/// One instance's prefix cache as the revisits of plain placements on it show it (a copy's
+/// misses are the copying rule's; see [`Rule::spends_cache`]). When they miss, it holds more
+/// prefixes than fit (by hash luck one instance of a few can be given more documents than its
+/// cache holds while another idles): each strike against it sends one more eighth of its keys
+/// (at most three quarters; which ones is a function of the key, the same on every router) to the next
+/// instance of their ranking whose last window hit, until good windows take the strikes away.
+/// Nothing is copied for it: the keys move, and the overflowing cache is left with fewer.
+#[derive(Debug)]
+pub struct InstanceCache {
+    gate: Gate,
+    /// The last window of revisits hit (true until one is seen).
+    hitting: AtomicBool,
+}
+
+impl Default for InstanceCache {
+    fn default() -> Self {
+        InstanceCache {
+            gate: Gate::default(),
+            hitting: AtomicBool::new(true),
+        }
+    }
+}
+
+impl InstanceCache {
+    /// Should `key`, ranked first on this instance, go elsewhere?
+    pub fn relieves(&self, key: u64) -> bool {
+        let level = self.gate.strikes().min(MAX_RELIEF);
+        // the top three bits of a mix of the key pick its eighth
+        level > 0 && ((key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61) as u32) < level
+    }
+
+    /// Its last window of revisits hit: it may take keys from one that overflows.
+    pub fn has_room(&self) -> bool {
+        self.hitting.load(Relaxed)
+    }
+
+    fn learn(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) {
+        match self.gate.observe(miss, now_ms, t) {
+            Some(true) => {
+                self.hitting.store(false, Relaxed);
+                tracing::debug!("an instance's cache overflows: some of its keys move");
+            }
+            Some(false) => self.hitting.store(true, Relaxed),
+            None => {}
+        }
+    }
+
+    pub fn gate(&self) -> &Gate {
+        &self.gate
     }
 }
 
@@ -200,18 +267,22 @@ impl Feedback {
         report: CacheReport,
         now_ms: u64,
         t: &FeedbackTuning,
+        instance: &InstanceCache,
     ) {
         if !revisit {
             return;
         }
         let miss = !report.hit();
-        if self.rules[rule as usize].observe(miss, now_ms, t) {
+        if !rule.spends_cache() {
+            instance.learn(miss, now_ms, t);
+        }
+        if self.rules[rule as usize].observe(miss, now_ms, t) == Some(true) {
             tracing::debug!(
                 rule = rule.as_str(),
                 "placement rule closed: its revisits miss"
             );
         }
-        if self.variant.observe(miss, now_ms, t) {
+        if self.variant.observe(miss, now_ms, t) == Some(true) {
             tracing::debug!("cache-spending rules closed: the variant's revisits miss");
         }
     }
@@ -259,10 +330,11 @@ mod tests {
     fn a_rule_whose_revisits_miss_is_closed_and_its_hold_doubles() {
         let t = FeedbackTuning::default();
         let f = Feedback::default();
+        let i = InstanceCache::default();
         let now = 1_000;
         for _ in 0..t.window {
             assert!(f.allows(Rule::HotReplica, now));
-            f.learn(Rule::HotReplica, true, MISS, now, &t);
+            f.learn(Rule::HotReplica, true, MISS, now, &t, &i);
         }
         assert!(!f.allows(Rule::HotReplica, now));
         // the variant's gate closed too: every rule that spends cache stands down
@@ -272,7 +344,7 @@ mod tests {
         assert!(f.allows(Rule::HotReplica, reopened));
         // missing again right after: closed for twice as long
         for _ in 0..t.window {
-            f.learn(Rule::HotReplica, true, MISS, reopened, &t);
+            f.learn(Rule::HotReplica, true, MISS, reopened, &t, &i);
         }
         assert!(!f.allows(Rule::HotReplica, reopened + t.hold_ms));
         assert!(f.allows(Rule::HotReplica, reopened + 2 * t.hold_ms));
@@ -283,12 +355,13 @@ mod tests {
     fn hits_first_placements_and_silent_engines_keep_rules_open() {
         let t = FeedbackTuning::default();
         let f = Feedback::default();
-        for i in 0..10 * t.window {
+        let i = InstanceCache::default();
+        for n in 0..10 * t.window {
             // one miss in ten revisits is below the limit
-            let report = if i % 10 == 0 { MISS } else { HIT };
-            f.learn(Rule::DeepenedHead, true, report, 1_000, &t);
+            let report = if n % 10 == 0 { MISS } else { HIT };
+            f.learn(Rule::DeepenedHead, true, report, 1_000, &t, &i);
             // a first placement's miss is no evidence: nothing was there to evict
-            f.learn(Rule::DeepenedHead, false, MISS, 1_000, &t);
+            f.learn(Rule::DeepenedHead, false, MISS, 1_000, &t, &i);
         }
         assert!(f.allows(Rule::DeepenedHead, 1_000));
         assert_eq!(f.variant().closings(), 0);
@@ -298,14 +371,51 @@ mod tests {
     fn one_rules_misses_close_that_rule_only_while_the_variant_still_hits() {
         let t = FeedbackTuning::default();
         let f = Feedback::default();
+        let i = InstanceCache::default();
         for _ in 0..2 * t.window {
-            f.learn(Rule::WarmMove, true, MISS, 1_000, &t);
+            f.learn(Rule::WarmMove, true, MISS, 1_000, &t, &i);
             for _ in 0..9 {
-                f.learn(Rule::PrefixHash, true, HIT, 1_000, &t);
+                f.learn(Rule::PrefixHash, true, HIT, 1_000, &t, &i);
             }
         }
         assert!(!f.allows(Rule::WarmMove, 1_000));
         assert!(f.allows(Rule::HotReplica, 1_000));
         assert_eq!(f.variant().closings(), 0);
+    }
+
+    #[test]
+    fn an_overflowing_instance_sends_an_eighth_more_of_its_keys_away_per_strike() {
+        let t = FeedbackTuning::default();
+        let f = Feedback::default();
+        let i = InstanceCache::default();
+        let keys: Vec<u64> = (0..8_000u64)
+            .map(|k| k.wrapping_mul(0xA24B_AED4_963E_E407))
+            .collect();
+        let moved = |i: &InstanceCache| keys.iter().filter(|&&k| i.relieves(k)).count();
+        assert_eq!(moved(&i), 0);
+        assert!(i.has_room());
+        let mut now = 1_000;
+        for strikes in 1..=8u32 {
+            for _ in 0..t.window {
+                f.learn(Rule::PrefixHash, true, MISS, now, &t, &i);
+            }
+            let share = moved(&i) as f64 / keys.len() as f64;
+            let expected = f64::from(strikes.min(MAX_RELIEF)) / 8.0;
+            assert!((share - expected).abs() < 0.02, "{strikes}: {share}");
+            assert!(!i.has_room());
+            now += t.max_hold_ms;
+        }
+        // good windows, each after the last hold ran out, take the strikes away one by one
+        let mut level = moved(&i);
+        while i.gate().strikes() > 0 {
+            now += 2 * t.max_hold_ms;
+            for _ in 0..t.window {
+                f.learn(Rule::PrefixHash, true, HIT, now, &t, &i);
+            }
+            assert!(moved(&i) <= level);
+            assert!(i.has_room(), "its last window hit");
+            level = moved(&i);
+        }
+        assert_eq!(moved(&i), 0);
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::feedback::Feedback;
+use crate::feedback::{Feedback, InstanceCache};
 use crate::upstream::Pool;
 
 /// Consecutive failures (connect errors, 5xx) after which an instance is ejected.
@@ -24,9 +24,15 @@ pub fn now_ms() -> u64 {
 }
 
 /// Requests of a variant per half-window of the recent-rate estimates: a window is the last
-/// 2,048 to 4,096 requests this router placed in the variant, whatever the request rate, so the
-/// estimates of replicas that each see a random sample of the same traffic agree.
+/// 2,048 to 4,096 requests this router placed in the variant, so the estimates of replicas that
+/// each see a random sample of the same traffic agree.
 pub const HALF_WINDOW_REQUESTS: u64 = 2048;
+/// A half-window also ends once it has lasted this long and holds at least
+/// [`HALF_WINDOW_MIN_REQUESTS`]: on a slow fleet (a router placing 20 requests a second takes
+/// 100 s for 2,048) the estimates, and the re-weighing at each new half-window, follow within a
+/// minute instead of several.
+pub const HALF_WINDOW_MS: u64 = 15_000;
+pub const HALF_WINDOW_MIN_REQUESTS: u64 = 256;
 
 /// Where a variant's request sequence stands: the half-window number and how far into it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -241,11 +247,17 @@ pub struct InstanceState {
     ejected_until_ms: AtomicU64,
     /// Idle keep-alive connections to the instance.
     pool: Pool,
+    /// Its prefix cache as PREFIX_AWARE's revisits show it.
+    cache: InstanceCache,
 }
 
 impl InstanceState {
     pub(crate) fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    pub fn cache(&self) -> &InstanceCache {
+        &self.cache
     }
 
     /// Requests sent to the instance whose response body has not ended yet.
@@ -311,6 +323,11 @@ pub struct VariantLoad {
     outstanding: AtomicU64,
     /// Requests placed in the variant by this router (drives the half-windows).
     sequence: AtomicU64,
+    /// The current half-window's number, and the sequence number and time it began at (time 0:
+    /// no request yet).
+    half: AtomicU64,
+    half_start: AtomicU64,
+    half_start_ms: AtomicU64,
     recent: RecentCount,
     keys: OnceLock<KeyRates>,
     /// Some instance of the variant has a weight other than 1.
@@ -336,7 +353,49 @@ impl VariantLoad {
 
     /// Where the variant's request sequence stands now.
     pub fn epoch(&self) -> Epoch {
-        Epoch::of(self.sequence.load(Relaxed))
+        self.epoch_at(self.sequence.load(Relaxed), now_ms())
+    }
+
+    /// The half-window and how far into it (by requests or by time, whichever is further) at
+    /// request `sequence` and time `now`.
+    fn epoch_at(&self, sequence: u64, now: u64) -> Epoch {
+        let by_requests = sequence.saturating_sub(self.half_start.load(Relaxed)) as f64
+            / HALF_WINDOW_REQUESTS as f64;
+        let by_time = match self.half_start_ms.load(Relaxed) {
+            0 => 0.0,
+            started => now.saturating_sub(started) as f64 / HALF_WINDOW_MS as f64,
+        };
+        Epoch {
+            number: self.half.load(Relaxed),
+            progress: by_requests.max(by_time).min(0.999),
+        }
+    }
+
+    /// Counts request `sequence` at `now` against the half-window; true for the request that
+    /// ends it and opens the next (one per half-window).
+    fn advance(&self, sequence: u64, now: u64) -> bool {
+        if self.half_start_ms.load(Relaxed) == 0 {
+            let _ = self
+                .half_start_ms
+                .compare_exchange(0, now, Relaxed, Relaxed);
+        }
+        let start = self.half_start.load(Relaxed);
+        let held = sequence.saturating_sub(start);
+        let due = held >= HALF_WINDOW_REQUESTS
+            || (held >= HALF_WINDOW_MIN_REQUESTS
+                && now >= self.half_start_ms.load(Relaxed) + HALF_WINDOW_MS);
+        let number = self.half.load(Relaxed);
+        if due
+            && self
+                .half
+                .compare_exchange(number, number + 1, Relaxed, Relaxed)
+                .is_ok()
+        {
+            self.half_start.store(sequence, Relaxed);
+            self.half_start_ms.store(now, Relaxed);
+            return true;
+        }
+        false
     }
 
     /// Counts one placed request for `key` (and, when the request was keyed deeper, for the
@@ -347,7 +406,9 @@ impl VariantLoad {
     /// instance's distinct-key count grows.
     pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> Recorded {
         let sequence = self.sequence.fetch_add(1, Relaxed);
-        let e = Epoch::of(sequence);
+        let now = now_ms();
+        let new_window = self.advance(sequence, now);
+        let e = self.epoch_at(sequence, now);
         self.recent.add(e);
         instance.recent.add(e);
         let rates = self.key_rates();
@@ -359,7 +420,7 @@ impl VariantLoad {
             instance.distinct.add(e);
         }
         Recorded {
-            new_window: sequence > 0 && sequence.is_multiple_of(HALF_WINDOW_REQUESTS),
+            new_window,
             revisit: self.served().contains(placed),
         }
     }
@@ -431,6 +492,33 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_half_window_ends_after_its_requests_or_its_time_whichever_comes_first() {
+        let v = VariantLoad::default();
+        let t0 = 1_000;
+        assert!(!v.advance(0, t0));
+        // 300 requests in 5 s: neither bound reached
+        for s in 1..300 {
+            assert!(!v.advance(s, t0 + 5_000));
+        }
+        assert_eq!(v.epoch_at(150, t0 + 7_500).progress, 0.5);
+        // 15 s with more than 256 requests: a new half-window
+        assert!(v.advance(300, t0 + HALF_WINDOW_MS));
+        assert_eq!(v.epoch_at(301, t0 + HALF_WINDOW_MS).number, 1);
+        // another 15 s with only 100 requests: too few to end it on time; the 256th does
+        let t1 = t0 + 2 * HALF_WINDOW_MS + 1;
+        for s in 301..556 {
+            assert!(!v.advance(s, t1), "{s}");
+        }
+        assert!(v.advance(556, t1));
+        // 2,048 requests end a half-window however short the time
+        for s in 557..556 + HALF_WINDOW_REQUESTS {
+            assert!(!v.advance(s, t1), "{s}");
+        }
+        assert!(v.advance(556 + HALF_WINDOW_REQUESTS, t1));
+        assert_eq!(v.epoch_at(556 + HALF_WINDOW_REQUESTS, t1).number, 3);
+    }
 
     #[test]
     fn in_flight_counts_until_dropped() {

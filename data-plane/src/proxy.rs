@@ -965,6 +965,7 @@ impl UpstreamStream {
                     report,
                     now_ms(),
                     &o.feedback,
+                    self.in_flight.instance().cache(),
                 );
             }
         }

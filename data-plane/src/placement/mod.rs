@@ -29,6 +29,11 @@
 //!   share of requests goes to the next instance of its ranking while that one has had fewer.
 //! - **Re-weighing** (queueing, [`reweigh`]): instance weights set every half-window from request
 //!   shares move whole cold keys among their first three choices until shares even out.
+//! - **Relief** (prefill, [`crate::feedback::InstanceCache`]): an instance whose revisits miss
+//!   holds more prefixes than its cache fits (hash luck can give one instance of a few more
+//!   documents than it holds while another idles); each strike sends another eighth of its keys,
+//!   picked by key hash, to the next instance of their ranking with no strike. Keys move, nothing
+//!   is copied, and the strikes decay once the instance's revisits hit again.
 //! - **Spills** (queueing): a key whose instances are all at their in-flight bound walks its
 //!   ranking; the local [`PrefixIndex`] remembers where it spilled so it keeps spilling there.
 //!   While spill copies miss, only `concurrency_threshold` bounds an instance.

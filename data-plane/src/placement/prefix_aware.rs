@@ -152,6 +152,16 @@ impl Placement {
             } else {
                 top
             };
+            // A key whose instance's cache overflows, among the share of its keys it sheds:
+            // the next instance of its ranking whose cache has room.
+            if instances[first].state().cache().relieves(key) {
+                let room = RendezvousWalk::new(hashes, key, top, top_score)
+                    .chain(std::iter::once(top))
+                    .find(|&j| j != first && instances[j].state().cache().has_room() && ok(j));
+                if let Some(j) = room {
+                    return Some((j, Decision::PrefixMatch, Rule::Relief));
+                }
+            }
             // A warm key (just under the hot threshold, where an estimate can fall on either
             // side) whose instance is over its fair share of requests goes to the less recently
             // loaded of that instance and the next in the key's ranking: otherwise a key that a

@@ -893,12 +893,17 @@ const MISS: CacheReport = CacheReport {
 /// so the variant as a whole still hits (only the rule's own gate closes).
 fn misses_of(p: &Placement, v: &Variant, rule: Rule) {
     let f = &p.tuning().feedback;
-    for _ in 0..f.window {
-        v.load().feedback().learn(rule, true, MISS, now_ms(), f);
-        for _ in 0..9 {
+    let n = v.instances().len();
+    // spread over the instances: no one cache misses more than a tenth of its revisits
+    let cache = |i: usize| v.instances()[i % n].state().cache();
+    for w in 0..f.window as usize {
+        v.load()
+            .feedback()
+            .learn(rule, true, MISS, now_ms(), f, cache(w));
+        for j in 1..10 {
             v.load()
                 .feedback()
-                .learn(Rule::PrefixHash, true, HIT, now_ms(), f);
+                .learn(Rule::PrefixHash, true, HIT, now_ms(), f, cache(w + j));
         }
     }
 }
@@ -975,9 +980,14 @@ fn serve(
         cache.truncate(capacity);
         let report = if hit { HIT } else { MISS };
         // the response ends: the router learns, and the prefix counts as served there
-        v.load()
-            .feedback()
-            .learn(r.rule, r.revisit, report, now_ms(), &p.tuning().feedback);
+        v.load().feedback().learn(
+            r.rule,
+            r.revisit,
+            report,
+            now_ms(),
+            &p.tuning().feedback,
+            v.instances()[r.instance].state().cache(),
+        );
         v.load().served().insert(r.placed);
         if i >= skip {
             measured += 1;
@@ -1129,4 +1139,37 @@ fn spills_stop_at_the_bounded_load_cap_while_spill_copies_miss() {
         assert_eq!(r.instance, top);
         held.push(InFlight::start(v.instances()[r.instance].state(), v.load()));
     }
+}
+
+#[test]
+fn an_instance_given_more_documents_than_its_cache_holds_sheds_some_to_one_with_room() {
+    // Eight equally popular documents on four instances whose caches hold three each, chosen so
+    // that four of them rank instance 0 first: by hashing alone instance 0 cycles through four
+    // documents and misses while the others have room. Its revisits miss, so it sheds some.
+    let t = prefix_aware_table(4);
+    let v = variant_of(&t);
+    let top_of = |d: usize| {
+        let key = prompt_key(BodyKind::OpenAi, &user_document(d, 0), 1024, seed_for(None)).hash;
+        rendezvous_top(v.id_hashes(), key).0
+    };
+    let on_zero: Vec<usize> = (0..400).filter(|&d| top_of(d) == 0).take(4).collect();
+    let elsewhere: Vec<usize> = (0..400).filter(|&d| top_of(d) != 0).take(4).collect();
+    let docs: Vec<usize> = on_zero.iter().chain(&elsewhere).copied().collect();
+    let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
+    let stream: Vec<usize> = zipf_stream(8, 6_000, 1)
+        .iter()
+        .enumerate()
+        .map(|(i, _)| (i * 5 + i / 8) % 8)
+        .collect();
+    let served = serve(&p, &t, &stream, |d, q| user_document(docs[d], q), 3, 4_000);
+    let on_zero_now = served.used.iter().filter(|s| s.contains(&0)).count();
+    assert!(
+        on_zero_now <= 3,
+        "instance 0 still serves {on_zero_now} documents: {:?}",
+        served.used
+    );
+    assert!(served.hit_rate >= 0.8, "hit {}", served.hit_rate);
+    // it was struck for its misses, and once it shed keys its revisits hit again
+    let cache = v.instances()[0].state().cache();
+    assert!(cache.gate().closings() >= 1 && cache.has_room());
 }
