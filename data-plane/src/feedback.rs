@@ -38,6 +38,9 @@ pub struct FeedbackTuning {
     pub miss_limit: f64,
     /// First hold of a closed gate, in milliseconds; each further strike doubles it.
     pub hold_ms: u64,
+    /// Strikes come at most this often: windows end every few seconds, and a gate's hold (and
+    /// an instance's relief) should escalate by the quarter minute, not by the window.
+    pub strike_interval_ms: u64,
     /// Longest hold.
     pub max_hold_ms: u64,
 }
@@ -48,6 +51,7 @@ impl Default for FeedbackTuning {
             window: 64,
             miss_limit: 0.2,
             hold_ms: 60_000,
+            strike_interval_ms: 15_000,
             max_hold_ms: 16 * 60_000,
         }
     }
@@ -128,9 +132,12 @@ pub struct Gate {
     misses: AtomicU32,
     /// Monotonic milliseconds until which the rule is closed (0: open).
     closed_until_ms: AtomicU64,
-    /// Windows over the limit in a row (each doubles the hold), decayed by good windows.
+    /// Windows over the limit, at most one per strike interval (each doubles the hold), decayed
+    /// by good windows.
     strikes: AtomicU32,
-    /// Times the gate closed (for the metrics).
+    /// When the last strike was given (0: never).
+    last_strike_ms: AtomicU64,
+    /// Windows that closed the gate or kept it closed (for the metrics).
     closings: AtomicU64,
 }
 
@@ -167,11 +174,19 @@ impl Gate {
         let misses = self.misses.swap(0, Relaxed);
         let strikes = self.strikes.load(Relaxed);
         if f64::from(misses) > t.miss_limit * f64::from(n) {
-            let hold = t
-                .hold_ms
-                .saturating_mul(1 << strikes.min(16))
-                .min(t.max_hold_ms);
-            self.strikes.store((strikes + 1).min(MAX_STRIKES), Relaxed);
+            // At most one strike per strike interval; between strikes, misses only keep the
+            // gate closed.
+            let last = self.last_strike_ms.load(Relaxed);
+            let strike = last == 0 || now_ms >= last.saturating_add(t.strike_interval_ms);
+            let hold = if strike {
+                self.strikes.store((strikes + 1).min(MAX_STRIKES), Relaxed);
+                self.last_strike_ms.store(now_ms, Relaxed);
+                t.hold_ms
+                    .saturating_mul(1 << strikes.min(16))
+                    .min(t.max_hold_ms)
+            } else {
+                t.hold_ms
+            };
             let until = now_ms + hold;
             if until > self.closed_until_ms.load(Relaxed) {
                 self.closed_until_ms.store(until, Relaxed);

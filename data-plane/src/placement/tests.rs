@@ -960,6 +960,20 @@ fn serve(
     capacity: usize,
     skip: usize,
 ) -> Served {
+    serve_paced(p, t, stream, body, capacity, skip, 0)
+}
+
+/// [`serve`], with the reports' clock advancing `ms_per_request` per request (the gates' strikes
+/// escalate by the minute).
+fn serve_paced(
+    p: &Placement,
+    t: &RoutingTable,
+    stream: &[usize],
+    body: impl Fn(usize, usize) -> Vec<u8>,
+    capacity: usize,
+    skip: usize,
+    ms_per_request: u64,
+) -> Served {
     let v = variant_of(t);
     let n = v.instances().len();
     let docs = stream.iter().max().unwrap() + 1;
@@ -984,7 +998,7 @@ fn serve(
             r.rule,
             r.revisit,
             report,
-            now_ms(),
+            now_ms() + i as u64 * ms_per_request,
             &p.tuning().feedback,
             v.instances()[r.instance].state().cache(),
         );
@@ -1161,7 +1175,16 @@ fn an_instance_given_more_documents_than_its_cache_holds_sheds_some_to_one_with_
         .enumerate()
         .map(|(i, _)| (i * 5 + i / 8) % 8)
         .collect();
-    let served = serve(&p, &t, &stream, |d, q| user_document(docs[d], q), 3, 4_000);
+    // 20 requests a second: 6,000 take five minutes
+    let served = serve_paced(
+        &p,
+        &t,
+        &stream,
+        |d, q| user_document(docs[d], q),
+        3,
+        4_000,
+        50,
+    );
     let on_zero_now = served.used.iter().filter(|s| s.contains(&0)).count();
     assert!(
         on_zero_now <= 3,
