@@ -57,13 +57,6 @@ pub struct Config {
     #[arg(long, default_value_t = crate::placement::DEFAULT_SPREAD, value_parser = parse_spread)]
     pub hot_key_spread: f64,
 
-    /// PREFIX_AWARE: how strongly re-weighing also evens the instances' numbers of distinct
-    /// reused prompt keys (their cache footprints), besides their request shares; 0 (the default)
-    /// evens requests only. 0.5 helps engines whose prefix caches hold few prompts (one-slot
-    /// llama-servers) and moves more keys when instances join.
-    #[arg(long, default_value_t = crate::placement::DEFAULT_FOOTPRINT_GAIN, value_parser = parse_footprint_gain)]
-    pub footprint_gain: f64,
-
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.
     #[arg(long, default_value_t = 30_000)]
     pub shutdown_grace_ms: u64,
@@ -150,15 +143,6 @@ fn parse_spread(s: &str) -> Result<f64, String> {
     }
 }
 
-fn parse_footprint_gain(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.0..=2.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "invalid --footprint-gain {s:?}: expected a number in 0..=2"
-        )),
-    }
-}
-
 impl Default for Config {
     fn default() -> Self {
         <Config as clap::Parser>::parse_from(["data-plane"])
@@ -199,19 +183,6 @@ impl Config {
 mod tests {
     use super::*;
     use clap::Parser;
-
-    #[test]
-    fn footprint_gain_is_range_checked() {
-        assert_eq!(Config::default().footprint_gain, 0.0);
-        let c = Config::parse_from(["data-plane", "--footprint-gain", "0.5"]);
-        assert_eq!(c.footprint_gain, 0.5);
-        for bad in ["-0.5", "3", "x"] {
-            let arg = format!("--footprint-gain={bad}");
-            let e = Config::try_parse_from(["data-plane", arg.as_str()]).unwrap_err();
-            assert!(e.to_string().contains("--footprint-gain"), "{e}");
-            assert!(e.to_string().contains(bad), "{e}");
-        }
-    }
 
     #[test]
     fn hot_key_spread_is_range_checked() {

@@ -236,10 +236,6 @@ pub struct InstanceState {
     /// Requests this router placed on the instance recently (PREFIX_AWARE's balance measure: the
     /// request rate, which cache hits do not hide the way they hide in-flight counts).
     recent: RecentCount,
-    /// Distinct prompt keys this router placed on the instance at least twice per half-window:
-    /// how many reused prefixes its cache must hold to hit (PREFIX_AWARE's footprint measure;
-    /// a key seen once, such as a short chat's whole prompt, is not one).
-    distinct: RecentCount,
     /// f64 bits of [`InstanceState::weight`]; 0 means 1.0.
     weight: AtomicU64,
     failures: AtomicU32,
@@ -267,10 +263,6 @@ impl InstanceState {
 
     pub fn recent(&self) -> &RecentCount {
         &self.recent
-    }
-
-    pub fn distinct(&self) -> &RecentCount {
-        &self.distinct
     }
 
     /// PREFIX_AWARE's weight of the instance among a cold key's first choices (1.0 until the
@@ -402,8 +394,7 @@ impl VariantLoad {
     /// shallow key it was deepened from) on `instance`.
     ///
     /// `placed` is the cached prefix's key combined with the instance's id: served there before
-    /// ([`ServedPrefixes`]), the request is a revisit; placed twice in a half-window, the
-    /// instance's distinct-key count grows.
+    /// ([`ServedPrefixes`]), the request is a revisit.
     pub fn record(&self, instance: &InstanceState, keys: &[u64], placed: u64) -> Recorded {
         let sequence = self.sequence.fetch_add(1, Relaxed);
         let now = now_ms();
@@ -414,10 +405,6 @@ impl VariantLoad {
         let rates = self.key_rates();
         for &k in keys {
             rates.add(k, e);
-        }
-        let before = rates.add_counted(placed, e);
-        if before == 1 {
-            instance.distinct.add(e);
         }
         Recorded {
             new_window,

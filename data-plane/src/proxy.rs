@@ -80,8 +80,7 @@ impl Router {
                 config.hash_balance_factor,
                 config.default_endpoint.clone(),
             )
-            .with_hot_key_spread(config.hot_key_spread)
-            .with_footprint_gain(config.footprint_gain),
+            .with_hot_key_spread(config.hot_key_spread),
             metrics: Metrics::with_workers(config.resolved_workers()),
             access,
             upstream_tls,

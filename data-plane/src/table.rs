@@ -191,9 +191,6 @@ pub struct Variant {
     salt: u64,
     header: HeaderValue,
     load: Arc<VariantLoad>,
-    /// The first half-window of `load` whose window holds only requests placed on these
-    /// instances (two after the instance set last changed).
-    footprint_from: u64,
 }
 
 impl Variant {
@@ -211,11 +208,6 @@ impl Variant {
     }
     pub fn instances(&self) -> &[Instance] {
         &self.instances
-    }
-    /// The first half-window in which PREFIX_AWARE's footprint measure covers only the current
-    /// instances.
-    pub fn footprint_from(&self) -> u64 {
-        self.footprint_from
     }
     /// `instances()[i].id_hash()`, contiguous for the rendezvous scan.
     pub fn id_hashes(&self) -> &[u64] {
@@ -453,11 +445,6 @@ impl RoutingTable {
                     model_name: v.model_name.as_str().into(),
                     weight: v.weight,
                     strategy,
-                    footprint_from: match prev_variant {
-                        Some(pv) if pv.id_hashes == id_hashes => pv.footprint_from,
-                        Some(pv) => pv.load.epoch().number + 2,
-                        None => 0,
-                    },
                     load: prev_variant.map(|pv| pv.load.clone()).unwrap_or_default(),
                     id_hashes,
                 });

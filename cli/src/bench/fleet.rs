@@ -33,7 +33,6 @@ pub struct FleetSpec {
     pub concurrency_threshold: u32,
     pub hash_balance_factor: Option<u32>,
     pub hot_key_spread: Option<f64>,
-    pub footprint_gain: Option<f64>,
     pub kv_capacity_tokens: u64,
     pub time_scale: f64,
     pub seed: u64,
@@ -217,13 +216,6 @@ impl Fleet {
                     "invalid --hot-key-spread {s}: must be 0..=64"
                 );
                 config.hot_key_spread = s;
-            }
-            if let Some(g) = spec.footprint_gain {
-                anyhow::ensure!(
-                    (0.0..=2.0).contains(&g),
-                    "invalid --footprint-gain {g}: must be 0..=2"
-                );
-                config.footprint_gain = g;
             }
             fleet.routers.push(spawn_server(url, move |rx| {
                 data_plane::serve(l, config, async move {

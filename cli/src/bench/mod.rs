@@ -117,9 +117,6 @@ pub struct BenchArgs {
     /// Routers' hot-key spread (data-plane --hot-key-spread; default: the router's).
     #[arg(long)]
     pub hot_key_spread: Option<f64>,
-    /// Routers' footprint gain (data-plane --footprint-gain; default: the router's).
-    #[arg(long)]
-    pub footprint_gain: Option<f64>,
     /// Write the results as JSON here.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
@@ -424,7 +421,6 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         concurrency_threshold: args.concurrency_threshold,
         hash_balance_factor: args.hash_balance_factor,
         hot_key_spread: args.hot_key_spread,
-        footprint_gain: args.footprint_gain,
         kv_capacity_tokens: workload.kv_capacity_tokens,
         time_scale: args.time_scale,
         seed: args.seed,
@@ -829,7 +825,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         concurrency_threshold: 64,
         hash_balance_factor: None,
         hot_key_spread: None,
-        footprint_gain: None,
         out: None,
         plot: None,
         markdown: None,

@@ -163,7 +163,6 @@ impl BenchReport {
             "concurrency_threshold": args.concurrency_threshold,
             "hash_balance_factor": args.hash_balance_factor,
             "hot_key_spread": args.hot_key_spread,
-            "footprint_gain": args.footprint_gain,
             "document_role": workload.document_role,
             "cache_regime": workload.cache_regime,
             "model": args.model,

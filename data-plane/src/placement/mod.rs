@@ -18,8 +18,9 @@
 //!   to the variant ([`crate::load::KeyRates`]), every key's share. A key with share `s` of n
 //!   instances is hot when `s * n >= hot_share`; it is served by its first
 //!   [`Tuning::replicas`] instances in rendezvous order, each request going to the one this
-//!   router sent the fewest recent requests. A key one instance cannot serve alone is spread;
-//!   the copies cost cache, so the rule is held to its revisits.
+//!   router sent the fewest recent requests. The copies cost cache, so the rule is held to its
+//!   revisits; while they miss, a hot key gets only [`Tuning::least_replicas`] (`ceil(s * n)`:
+//!   a key with more traffic than one instance's share still cannot stay on one).
 //! - **Deepened heads** (queueing): a hot head-only chat key (a system prompt longer than
 //!   `prefix_length`, shared by every conversation on it) is keyed by its conversation instead
 //!   ([`crate::prompt::deep_prompt_key`]); a first turn takes the less loaded of its first two
@@ -28,7 +29,9 @@
 //! - **Warm moves** (queueing): a key near the hot threshold whose instance is over its fair
 //!   share of requests goes to the next instance of its ranking while that one has had fewer.
 //! - **Re-weighing** (queueing, [`reweigh`]): instance weights set every half-window from request
-//!   shares move whole cold keys among their first three choices until shares even out.
+//!   shares move whole cold keys among their first three choices until shares even out. (An
+//!   earlier term that also evened each instance's count of distinct keys, a guess at its cache
+//!   footprint, is gone: relief below acts on the engines' measured misses instead.)
 //! - **Relief** (prefill, [`crate::feedback::InstanceCache`]): an instance whose revisits miss
 //!   holds more prefixes than its cache fits (hash luck can give one instance of a few more
 //!   documents than it holds while another idles); each strike sends another eighth of its keys,
@@ -62,7 +65,7 @@ use rendezvous::fmix64;
 pub use rendezvous::{rendezvous_score, rendezvous_top, RendezvousWalk};
 use reweigh::reweigh;
 pub use reweigh::WEIGHTED_CHOICES;
-pub use tuning::{Tuning, DEFAULT_BALANCE_PERCENT, DEFAULT_FOOTPRINT_GAIN, DEFAULT_SPREAD};
+pub use tuning::{Tuning, DEFAULT_BALANCE_PERCENT, DEFAULT_SPREAD};
 
 /// An instance (index into the variant's instances), the header's decision and the rule.
 pub type Choice = (usize, Decision, Rule);
@@ -201,13 +204,6 @@ impl Placement {
     /// instance and leaves the balance to the weights.
     pub fn with_hot_key_spread(mut self, spread: f64) -> Self {
         self.tuning.spread = spread.clamp(0.0, 64.0);
-        self
-    }
-
-    /// How strongly re-weighing evens the instances' distinct keys (see
-    /// [`Tuning::footprint_gain`]); 0 evens request shares only.
-    pub fn with_footprint_gain(mut self, gain: f64) -> Self {
-        self.tuning.footprint_gain = gain.clamp(0.0, 2.0);
         self
     }
 

@@ -112,8 +112,14 @@ impl Placement {
         };
         let (top, top_score) = rendezvous_top(hashes, key);
         let key_share = share(v, key, t.min_window);
-        let r = t.replicas(key_share, hashes.len());
-        if r > 1 && feedback.allows(Rule::HotReplica, now) {
+        // A hot key gets replicas by its share while they pay, else only as many as its load
+        // needs (a key with more traffic than one instance's share cannot stay on one).
+        let r = if feedback.allows(Rule::HotReplica, now) {
+            t.replicas(key_share, hashes.len())
+        } else {
+            t.least_replicas(key_share, hashes.len())
+        };
+        if r > 1 {
             // A hot key: the least recently loaded of its first r instances.
             let e = v.load().epoch();
             let mut best: Option<(usize, f64, usize)> = None;

@@ -15,15 +15,6 @@ pub const WEIGHTED_CHOICES: usize = 3;
 /// cannot: traffic whose keys are all cold (flat popularity), where hashing alone leaves
 /// instances several points apart. Replicas that see random samples of the same traffic measure
 /// nearly the same shares and converge on nearly the same weights.
-///
-/// The step is multiplied by a second one from the instance's share of the distinct keys placed
-/// on it at least twice in the window ([`Tuning::footprint_gain`]; 0, the default, leaves it out; it
-/// waits two half-windows after the instance set changes and yields near the share slack): cold
-/// keys are most of the prefixes a cache holds and little of its traffic, so moving them evens
-/// the footprint, while hot keys, served
-/// by the least loaded of their replicas, keep evening the requests. Without it, the instance
-/// that gets the fewest hot-key requests takes the most cold keys, and on real engines (one-slot
-/// llama.cpp servers with a RAM prompt cache) that instance's cache overflowed first.
 pub(super) fn reweigh(v: &Variant, t: &Tuning) {
     let load = v.load();
     let e = load.epoch();
@@ -33,54 +24,12 @@ pub(super) fn reweigh(v: &Variant, t: &Tuning) {
         return;
     }
     let fair = 1.0 / n as f64;
-    // The footprint is measured over the window; until the window holds only requests placed
-    // on the current instances, a joined instance looks empty and a removed one's keys are
-    // still counted on the others, so the term waits (a joined instance would otherwise be
-    // raised and draw keys beyond its 1/(n+1)).
-    let footprint_gain = if e.number >= v.footprint_from() {
-        t.footprint_gain
-    } else {
-        0.0
-    };
-    let keys: f64 = if footprint_gain > 0.0 {
-        v.instances()
-            .iter()
-            .map(|i| i.state().distinct().value(e))
-            .sum()
-    } else {
-        0.0
-    };
-    // within a few keys of fair: moving one key more or less would only swap the excess
-    let dead_zone = t
-        .footprint_dead_zone
-        .max(t.footprint_dead_zone_keys / keys.max(1.0));
     for inst in v.instances() {
         let share = inst.state().recent().value(e) / total;
-        let request_step = if (share - fair).abs() < t.dead_zone {
-            1.0
-        } else {
-            (fair / share.max(fair / 4.0)).powf(t.gain)
-        };
-        // The footprint step acts only while it does not push the request share further than
-        // `footprint_share_slack` from fair, so the two steps cannot settle far from even
-        // request shares.
-        let held = if keys > 0.0 {
-            inst.state().distinct().value(e) / keys
-        } else {
-            fair
-        };
-        let footprint_step = if (held - fair).abs() < dead_zone
-            || (held > fair && share < fair - t.footprint_share_slack)
-            || (held < fair && share > fair + t.footprint_share_slack)
-        {
-            1.0
-        } else {
-            (fair / held.max(fair / 4.0)).powf(footprint_gain)
-        };
-        let step = request_step * footprint_step;
-        if step == 1.0 {
+        if (share - fair).abs() < t.dead_zone {
             continue;
         }
+        let step = (fair / share.max(fair / 4.0)).powf(t.gain);
         let w = (inst.state().weight() * step).clamp(1.0 / t.max_weight, t.max_weight);
         inst.state().set_weight(w);
         load.set_weighted();

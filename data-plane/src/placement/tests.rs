@@ -35,6 +35,8 @@ fn req(body: &[u8]) -> RouteRequest<'_> {
     }
 }
 
+/// A placement with the bounded-load factor at 1.25 (`--hash-balance-factor 125`), for the tests
+/// of the in-flight bound itself: at the default (4) a handful of requests never reach it.
 fn policy() -> Placement {
     Placement::new(1000, 125, None)
 }
@@ -170,6 +172,7 @@ fn a_few_clients_on_one_key_do_not_spill_at_the_default_factor() {
         (next.instance, next.decision),
         (first.instance, Decision::PrefixHash)
     );
+    // a lower factor (--hash-balance-factor 200) bounds the same instance sooner
     let tighter = Placement::new(1000, 200, None);
     assert_eq!(
         tighter.route(&t, &req(&body)).unwrap().decision,
@@ -428,7 +431,7 @@ fn zipf_popular_documents_keep_every_instance_within_one_and_a_half_points() {
     // this stream; hot documents served by their least loaded replicas even it out.
     for seed in [1, 2, 3] {
         let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
-        let p = Placement::new(1000, 200, None);
+        let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
         let stream = zipf_stream(80, 24_000, seed);
         let (shares, used) = route_stream(&p, &t, &stream, 4_000);
         let worst = shares
@@ -516,7 +519,7 @@ fn flat_popularity_is_balanced_by_weights_moving_whole_keys() {
     // leaves instances 3-6 points from 1/7. Re-weighing moves whole cold keys among their
     // first three choices until the shares even out, and then leaves them where they are.
     for seed in [1, 2] {
-        let p = Placement::new(1000, 200, None);
+        let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
         let (shares, moved) = shares_and_moves(&p, 150, 0.5, 60_000, 30_000, seed);
         let worst = shares
             .iter()
@@ -531,122 +534,16 @@ fn flat_popularity_is_balanced_by_weights_moving_whole_keys() {
 }
 
 #[test]
-fn the_footprint_term_keeps_request_shares_within_its_slack() {
-    // 300 documents of Zipf 0.6 with hot keys not spread: only the weights even the shares,
-    // and the footprint step pulls them towards even key counts instead, which here means
-    // uneven requests. It yields once a share is FOOTPRINT_SHARE_SLACK from fair: 1.11-1.32
-    // pt from fair here, 1.98-2.20 pt if it never yielded.
-    for seed in [1, 2, 3] {
-        let p = Placement::new(1000, 400, None)
-            .with_footprint_gain(0.5)
-            .with_hot_key_spread(0.0);
-        let (shares, _) = shares_and_moves(&p, 300, 0.6, 60_000, 30_000, seed);
-        let worst = shares
-            .iter()
-            .map(|s| (s - 1.0 / 7.0).abs() * 100.0)
-            .fold(0.0, f64::max);
-        assert!(worst <= 1.75, "seed {seed}: {shares:?}");
-    }
-}
-
-#[test]
 fn a_spread_of_zero_keeps_hot_keys_on_one_instance() {
     let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
-    let p = Placement::new(1000, 200, None).with_hot_key_spread(0.0);
+    let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None).with_hot_key_spread(0.0);
     let (_, used) = route_stream(&p, &t, &zipf_stream(80, 12_000, 6), 2_000);
     // (re-weighing may still move a whole key once)
     assert!(used[0].len() <= 2, "{:?}", used[0]);
     let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
-    let p = Placement::new(1000, 200, None);
+    let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
     let (_, used) = route_stream(&p, &t, &zipf_stream(80, 12_000, 6), 2_000);
     assert!(used[0].len() >= 4, "{:?}", used[0]);
-}
-
-/// Routes `stream` over `n` instances, each with an LRU cache of `capacity` documents (a
-/// one-slot llama.cpp server's RAM prompt cache, in documents); the hit rate after `skip`.
-fn lru_hit_rate(p: &Placement, n: usize, stream: &[usize], skip: usize, capacity: usize) -> f64 {
-    let t = build(RoutingStrategy::PrefixAware, &addrs(n), 64);
-    let bodies: Vec<Vec<u8>> = (0..=*stream.iter().max().unwrap()).map(document).collect();
-    let mut caches: Vec<Vec<usize>> = vec![Vec::new(); n];
-    let mut hits = 0;
-    for (i, &d) in stream.iter().enumerate() {
-        let cache = &mut caches[p.route(&t, &req(&bodies[d])).unwrap().instance];
-        let hit = match cache.iter().position(|&x| x == d) {
-            Some(at) => {
-                cache.remove(at);
-                true
-            }
-            None => false,
-        };
-        cache.push(d);
-        if cache.len() > capacity {
-            cache.remove(0);
-        }
-        hits += usize::from(hit && i >= skip);
-    }
-    hits as f64 / (stream.len() - skip) as f64
-}
-
-#[test]
-fn instances_hold_even_numbers_of_keys_so_no_cache_overflows_first() {
-    // 80 Zipf(0.8) documents on 4 instances whose caches hold 20 each: the fleet holds them
-    // all only if every instance holds its quarter. Evening requests alone leaves the
-    // instance with the fewest hot-key requests holding the most cold documents (hit
-    // 0.950-0.953 on these streams); evening the distinct keys too: 0.961-0.965.
-    for seed in [1, 2, 3] {
-        let stream = zipf_stream(80, 12_000, seed);
-        let footprint = Placement::new(1000, 400, None).with_footprint_gain(0.5);
-        let even = lru_hit_rate(&footprint, 4, &stream, 6_000, 20);
-        let requests_only = Placement::new(1000, 400, None).with_footprint_gain(0.0);
-        let before = lru_hit_rate(&requests_only, 4, &stream, 6_000, 20);
-        eprintln!("LRU seed {seed} even {even:.4} before {before:.4}");
-        assert!(
-            even >= before + 0.006,
-            "seed {seed}: hit {even} (requests only: {before})"
-        );
-    }
-}
-
-/// The weight of an 8th instance after a Zipf(0.8) stream was routed over 7 and then, for
-/// `after` requests, over the 7 and the 8th (the table rebuilt on the first, as the router
-/// applies an update).
-fn joined_weight(p: &Placement, after: usize) -> f64 {
-    let wire = |n: usize| {
-        let a = addrs(n);
-        let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
-        table(
-            1,
-            "e",
-            vec![variant("v1", RoutingStrategy::PrefixAware, &a)],
-        )
-    };
-    let bodies: Vec<Vec<u8>> = (0..80).map(document).collect();
-    let stream = zipf_stream(80, 20_000 + after, 1);
-    let before = RoutingTable::try_from(wire(7)).unwrap();
-    for &d in &stream[..20_000] {
-        p.route(&before, &req(&bodies[d])).unwrap();
-    }
-    let joined = RoutingTable::build(wire(8), Some(&before)).unwrap();
-    for &d in &stream[20_000..] {
-        p.route(&joined, &req(&bodies[d])).unwrap();
-    }
-    variant_of(&joined).instances()[7].state().weight()
-}
-
-#[test]
-fn the_footprint_term_waits_until_its_window_covers_a_joined_instance() {
-    // A joined instance holds no keys yet and its peers still count the keys it took from
-    // them; raising it for that drew keys beyond its 1/(n+1) (26% of keys moved on
-    // engine-sim's autoscale run, 16% with the wait, 14% without the term).
-    let with = Placement::new(1000, 400, None).with_footprint_gain(0.5);
-    let without = Placement::new(1000, 400, None);
-    // 20,000 + 500 crosses one half-window boundary after the join: the re-weighing there
-    // follows request shares only (1.63 against 1.40 if the footprint acted at once)
-    let (w, wo) = (joined_weight(&with, 500), joined_weight(&without, 500));
-    assert!(
-        w <= wo * 1.05,
-        "weight {w} with the footprint term, {wo} without"
-    );
 }
 
 #[test]
@@ -659,7 +556,8 @@ fn a_warm_key_leaves_its_instance_while_that_one_is_over_its_share() {
     // (each on a table of its own: one that has seen traffic may already spread warm keys)
     let first_choice = |d: usize| {
         let fresh = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
-        let r = Placement::new(1000, 400, None).route(&fresh, &req(&document(d)));
+        let r =
+            Placement::new(1000, DEFAULT_BALANCE_PERCENT, None).route(&fresh, &req(&document(d)));
         (r.as_ref().unwrap().instance, r.unwrap().key.unwrap())
     };
     let (busy, key) = first_choice(0);
@@ -667,7 +565,7 @@ fn a_warm_key_leaves_its_instance_while_that_one_is_over_its_share() {
         (1..600).partition(|&d| first_choice(d).0 == busy);
     let bodies: Vec<Vec<u8>> = (0..600).map(document).collect();
     let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
-    let p = Placement::new(1000, 400, None);
+    let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
     let mut used = std::collections::BTreeMap::new();
     for i in 0..2_000 {
         let d = match i % 40 {
@@ -696,7 +594,7 @@ fn a_warm_key_leaves_its_instance_while_that_one_is_over_its_share() {
 fn hot_keys_use_the_first_instances_of_their_ranking() {
     let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
     let v = variant_of(&t);
-    let p = Placement::new(1000, 200, None);
+    let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
     let stream = zipf_stream(80, 12_000, 4);
     let (_, used) = route_stream(&p, &t, &stream, 2_000);
     let mut freq = vec![0usize; 80];
@@ -734,8 +632,8 @@ fn routers_that_see_different_halves_of_the_traffic_agree_on_replica_counts() {
         build(RoutingStrategy::PrefixAware, &addrs(7), 64),
     );
     let (p1, p2) = (
-        Placement::new(1000, 200, None),
-        Placement::new(1000, 200, None),
+        Placement::new(1000, DEFAULT_BALANCE_PERCENT, None),
+        Placement::new(1000, DEFAULT_BALANCE_PERCENT, None),
     );
     let stream = zipf_stream(80, 20_000, 5);
     let bodies: Vec<Vec<u8>> = (0..80).map(document).collect();
@@ -780,7 +678,7 @@ fn conversations_under_a_long_shared_system_prompt_spread_evenly_and_keep_their_
     // conversation has the same shallow key. Once that key is hot, each conversation is
     // keyed by itself: every instance is used, evenly, and a conversation's turns stay.
     let t = build(RoutingStrategy::PrefixAware, &addrs(7), 64);
-    let p = Placement::new(100_000, 200, None);
+    let p = Placement::new(100_000, DEFAULT_BALANCE_PERCENT, None);
     let system = "Follow the policy handbook in every answer. ".repeat(70);
     let body = |user: usize, turns: usize| {
         let mut messages = vec![format!(r#"{{"role":"system","content":"{system}"}}"#)];
@@ -1107,25 +1005,44 @@ fn a_deepened_head_whose_first_turns_miss_is_no_longer_deepened() {
 }
 
 #[test]
-fn a_hot_key_whose_replicas_miss_stays_on_its_first_instance() {
+fn hot_keys_whose_replicas_miss_keep_only_the_replicas_their_load_needs() {
+    // Document 0 has 45% of the traffic of 4 instances (1.8 instances' worth), document 1 20%
+    // (0.8), twenty others share the rest. Both are hot and spread; once the engines report
+    // that the replicas' revisits miss, document 1 stays on its first instance and document 0
+    // keeps two (one could not serve 1.8 instances' worth).
     let t = prefix_aware_table(4);
     let v = variant_of(&t);
     let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
-    let used: std::collections::BTreeSet<usize> = (0..200)
-        .map(|q| p.route(&t, &req(&user_document(0, q))).unwrap().instance)
-        .collect();
-    assert!(used.len() >= 3, "a hot key is spread: {used:?}");
-    misses_of(&p, v, Rule::HotReplica);
-    let key = p
-        .route(&t, &req(&user_document(0, 0)))
-        .unwrap()
-        .key
-        .unwrap();
-    let top = rendezvous_top(v.id_hashes(), key).0;
-    for q in 200..300 {
-        let r = p.route(&t, &req(&user_document(0, q))).unwrap();
-        assert_eq!((r.instance, r.rule), (top, Rule::PrefixHash));
+    let doc = |i: usize| match i % 20 {
+        0..=8 => 0,
+        9..=12 => 1,
+        _ => 2 + (i * 7) % 20,
+    };
+    let mut used = vec![std::collections::BTreeSet::new(); 2];
+    for q in 0..2_000 {
+        let r = p.route(&t, &req(&user_document(doc(q), q))).unwrap();
+        if q >= 1_000 && doc(q) < 2 {
+            used[doc(q)].insert(r.instance);
+        }
     }
+    assert!(used[0].len() >= 3 && used[1].len() >= 3, "spread: {used:?}");
+    // every revisit of a replica missed: the rule and the variant's copies close
+    let f = &p.tuning().feedback;
+    for i in 0..f.window as usize {
+        let cache = v.instances()[i % 4].state().cache();
+        v.load()
+            .feedback()
+            .learn(Rule::HotReplica, true, MISS, now_ms(), f, cache);
+    }
+    assert!(!v.load().feedback().variant().is_open(now_ms()));
+    let mut used = vec![std::collections::BTreeSet::new(); 2];
+    for q in 2_000..3_000 {
+        let r = p.route(&t, &req(&user_document(doc(q), q))).unwrap();
+        if doc(q) < 2 {
+            used[doc(q)].insert(r.instance);
+        }
+    }
+    assert_eq!((used[0].len(), used[1].len()), (2, 1), "{used:?}");
 }
 
 #[test]

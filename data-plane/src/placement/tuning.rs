@@ -1,5 +1,5 @@
 //! Every constant of PREFIX_AWARE placement, in one struct. [`Tuning::default`] is what users
-//! get (three of its fields have data-plane flags); unit tests run at it. What each value was
+//! get (two of its fields have data-plane flags); unit tests run at it. What each value was
 //! measured to do is in BENCHMARKS.md, not here.
 
 use crate::feedback::FeedbackTuning;
@@ -37,17 +37,6 @@ pub struct Tuning {
     pub dead_zone: f64,
     /// Exponent of each re-weighing step: `w *= (fair / share) ^ gain`.
     pub gain: f64,
-    /// Exponent of the footprint part of a re-weighing step (`--footprint-gain`; 0, the
-    /// default, re-weighs by request shares only): `w *= (fair / held) ^ footprint_gain`, where
-    /// `held` is the instance's share of the distinct keys placed on it at least twice.
-    pub footprint_gain: f64,
-    /// A share of distinct keys within this of 1/n, or within `footprint_dead_zone_keys` keys of
-    /// it, leaves the weight as it is.
-    pub footprint_dead_zone: f64,
-    pub footprint_dead_zone_keys: f64,
-    /// The footprint step lowers (raises) an instance's weight only while its request share is
-    /// above fair minus this (below fair plus this).
-    pub footprint_share_slack: f64,
     /// When the engines' reports close a rule (see [`crate::feedback`]).
     pub feedback: FeedbackTuning,
 }
@@ -56,8 +45,6 @@ pub struct Tuning {
 pub const DEFAULT_BALANCE_PERCENT: u32 = 400;
 /// The hot-key spread users get.
 pub const DEFAULT_SPREAD: f64 = 8.0;
-/// The footprint gain users get (off).
-pub const DEFAULT_FOOTPRINT_GAIN: f64 = 0.0;
 
 impl Default for Tuning {
     fn default() -> Self {
@@ -73,10 +60,6 @@ impl Default for Tuning {
             max_weight: 4.0,
             dead_zone: 0.004,
             gain: 0.5,
-            footprint_gain: DEFAULT_FOOTPRINT_GAIN,
-            footprint_dead_zone: 0.01,
-            footprint_dead_zone_keys: 3.0,
-            footprint_share_slack: 0.005,
             feedback: FeedbackTuning::default(),
         }
     }
@@ -91,6 +74,19 @@ impl Tuning {
             1
         } else {
             ((load * self.spread).ceil() as usize).clamp(1, n)
+        }
+    }
+
+    /// The fewest instances that can serve a key of `share` of the traffic of `n` instances
+    /// without one of them taking more than its fair share: `ceil(share * n)`. What hot keys
+    /// get while wider replica sets do not pay (the caches cannot hold them): at most n - 1
+    /// copies over the whole variant, since the shares add up to 1.
+    pub fn least_replicas(&self, share: f64, n: usize) -> usize {
+        let load = share * n as f64;
+        if load <= 1.0 || self.spread <= 0.0 {
+            1
+        } else {
+            (load.ceil() as usize).clamp(1, n)
         }
     }
 }
