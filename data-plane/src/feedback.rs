@@ -227,8 +227,8 @@ const MAX_STRIKES: u32 = 8;
 /// misses are the copying rule's; see [`Rule::spends_cache`]). When they miss, it holds more
 /// prefixes than fit (by hash luck one instance of a few can be given more documents than its
 /// cache holds while another idles): each strike against it sends one more eighth of its keys
-/// (at most three quarters; which ones is a function of the key, the same on every router) to the next
-/// instance of their ranking whose last window hit, until good windows take the strikes away.
+/// (at most three quarters; which ones is a function of the key, the same on every router) to an
+/// instance whose last window hit (the least loaded), until good windows take the strikes away.
 /// Nothing is copied for it: the keys move, and the overflowing cache is left with fewer.
 #[derive(Debug)]
 pub struct InstanceCache {

@@ -35,7 +35,8 @@
 //! - **Relief** (prefill, [`crate::feedback::InstanceCache`]): an instance whose revisits miss
 //!   holds more prefixes than its cache fits (hash luck can give one instance of a few more
 //!   documents than it holds while another idles); each strike sends another eighth of its keys,
-//!   picked by key hash, to the next instance of their ranking with no strike. Keys move, nothing
+//!   picked by key hash, to the least loaded instance whose revisits hit (remembered by the
+//!   prefix index, so a moved key stays where it went). Keys move, nothing
 //!   is copied, and the strikes decay once the instance's revisits hit again.
 //! - **Spills** (queueing): a key whose instances are all at their in-flight bound walks its
 //!   ranking; the local [`PrefixIndex`] remembers where it spilled so it keeps spilling there.

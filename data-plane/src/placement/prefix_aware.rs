@@ -158,13 +158,29 @@ impl Placement {
             } else {
                 top
             };
-            // A key whose instance's cache overflows, among the share of its keys it sheds:
-            // the next instance of its ranking whose cache has room.
+            // A key whose instance's cache overflows, among the share of its keys it sheds: the
+            // instance it was moved to before (the prefix index remembers it) while that one's
+            // cache has room, else the instance with room that this router sent the fewest
+            // recent requests (one that hashing left idle first).
             if instances[first].state().cache().relieves(key) {
-                let room = RendezvousWalk::new(hashes, key, top, top_score)
-                    .chain(std::iter::once(top))
-                    .find(|&j| j != first && instances[j].state().cache().has_room() && ok(j));
-                if let Some(j) = room {
+                let room =
+                    |j: usize| j != first && instances[j].state().cache().has_room() && ok(j);
+                let index_key = key ^ v.salt();
+                let remembered = self
+                    .index
+                    .get(index_key)
+                    .and_then(|h| hashes.iter().position(|&x| x == h))
+                    .filter(|&j| room(j));
+                let to = remembered.or_else(|| {
+                    let e = v.load().epoch();
+                    let recent = |i: usize| instances[i].state().recent().value(e);
+                    let j = (0..hashes.len())
+                        .filter(|&j| room(j))
+                        .min_by(|&a, &b| recent(a).total_cmp(&recent(b)))?;
+                    self.index.insert(index_key, hashes[j]);
+                    Some(j)
+                });
+                if let Some(j) = to {
                     return Some((j, Decision::PrefixMatch, Rule::Relief));
                 }
             }
