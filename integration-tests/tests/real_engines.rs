@@ -211,6 +211,46 @@ async fn start_fleet_with_cache(
     servers
 }
 
+/// An in-process control plane with endpoint `llama` (one PREFIX_AWARE variant over `urls`) and a
+/// data plane `node_id` watching it, ready (a table applied); returns them and the router's URL.
+async fn prefix_aware_router(
+    http: &Http,
+    dir: &Path,
+    urls: &[&str],
+    node_id: &str,
+) -> (InProcessControlPlane, proto::client::Client, String) {
+    let control_plane = InProcessControlPlane::start(&dir.join("cp")).await;
+    let client = proto::client::Client::connect(control_plane.url.clone())
+        .await
+        .unwrap();
+    client
+        .create_endpoint_config(
+            "llama",
+            vec![variant("v1", RoutingStrategy::PrefixAware, urls)],
+        )
+        .await
+        .unwrap();
+    client.create_endpoint("llama", "llama").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router = format!("http://{}", listener.local_addr().unwrap());
+    let config = data_plane::Config {
+        control_plane: control_plane.url.clone(),
+        node_id: Some(node_id.into()),
+        default_endpoint: Some("llama".into()),
+        ..data_plane::Config::default()
+    };
+    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
+    wait_for(
+        "the data plane to apply a routing table",
+        Duration::from_secs(15),
+        || async {
+            matches!(get(http, &format!("{router}/readyz")).await, Some((200, _))).then_some(())
+        },
+    )
+    .await;
+    (control_plane, client, router)
+}
+
 /// `llamacpp:prompt_tokens_cached_total` and `llamacpp:prompt_tokens_total` of one server.
 async fn cache_counters(http: &Http, url: &str) -> (f64, f64) {
     let (status, text) = get(http, &format!("{url}/metrics"))
@@ -363,39 +403,8 @@ async fn prefix_aware_places_a_shared_prefix_on_one_llama_server_and_its_cache_s
     let servers = start_fleet(&http, &bin, &model, dir.path(), 3).await;
     let urls: Vec<&str> = servers.iter().map(|s| s.url.as_str()).collect();
 
-    let control_plane = InProcessControlPlane::start(&dir.path().join("cp")).await;
-    let client = proto::client::Client::connect(control_plane.url.clone())
-        .await
-        .unwrap();
-    client
-        .create_endpoint_config(
-            "llama",
-            vec![variant("v1", RoutingStrategy::PrefixAware, &urls)],
-        )
-        .await
-        .unwrap();
-    client.create_endpoint("llama", "llama").await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let router = format!("http://{}", listener.local_addr().unwrap());
-    let config = data_plane::Config {
-        control_plane: control_plane.url.clone(),
-        node_id: Some("dp-real-engines".into()),
-        default_endpoint: Some("llama".into()),
-        ..data_plane::Config::default()
-    };
-    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
-    wait_for(
-        "the data plane to apply a routing table",
-        Duration::from_secs(15),
-        || async {
-            matches!(
-                get(&http, &format!("{router}/readyz")).await,
-                Some((200, _))
-            )
-            .then_some(())
-        },
-    )
-    .await;
+    let (control_plane, client, router) =
+        prefix_aware_router(&http, dir.path(), &urls, "dp-real-engines").await;
 
     let counters = || async {
         let mut v = Vec::new();
@@ -709,39 +718,8 @@ async fn documents_as_system_messages_stay_on_few_llama_servers_whose_caches_are
     let http: Http = Client::builder(TokioExecutor::new()).build_http();
     let servers = start_fleet_with_cache(&http, &bin, &model, dir.path(), 3, 3).await;
     let urls: Vec<&str> = servers.iter().map(|s| s.url.as_str()).collect();
-    let control_plane = InProcessControlPlane::start(&dir.path().join("cp")).await;
-    let client = proto::client::Client::connect(control_plane.url.clone())
-        .await
-        .unwrap();
-    client
-        .create_endpoint_config(
-            "llama",
-            vec![variant("v1", RoutingStrategy::PrefixAware, &urls)],
-        )
-        .await
-        .unwrap();
-    client.create_endpoint("llama", "llama").await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let router = format!("http://{}", listener.local_addr().unwrap());
-    let config = data_plane::Config {
-        control_plane: control_plane.url.clone(),
-        node_id: Some("dp-small-caches".into()),
-        default_endpoint: Some("llama".into()),
-        ..data_plane::Config::default()
-    };
-    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
-    wait_for(
-        "the data plane's first table",
-        Duration::from_secs(15),
-        || async {
-            matches!(
-                get(&http, &format!("{router}/readyz")).await,
-                Some((200, _))
-            )
-            .then_some(())
-        },
-    )
-    .await;
+    let (control_plane, client, router) =
+        prefix_aware_router(&http, dir.path(), &urls, "dp-small-caches").await;
     let counters = || async {
         let mut v = Vec::new();
         for u in &urls {
