@@ -343,14 +343,15 @@ impl Feedback {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    const HIT: CacheReport = CacheReport {
+    /// An engine's report of a request served mostly from its cache, and of one that was not.
+    pub(crate) const HIT: CacheReport = CacheReport {
         prompt_tokens: 1000,
         cached_tokens: 950,
     };
-    const MISS: CacheReport = CacheReport {
+    pub(crate) const MISS: CacheReport = CacheReport {
         prompt_tokens: 1000,
         cached_tokens: 10,
     };

@@ -776,16 +776,7 @@ fn endpoint_and_variant_resolution() {
 
 // ---- Rules held to the engines' reports (crate::feedback) ----
 
-use crate::usage::CacheReport;
-
-const HIT: CacheReport = CacheReport {
-    prompt_tokens: 1000,
-    cached_tokens: 950,
-};
-const MISS: CacheReport = CacheReport {
-    prompt_tokens: 1000,
-    cached_tokens: 8,
-};
+use crate::feedback::tests::{HIT, MISS};
 
 /// Reports `window` revisits of `rule` that missed, and nine hits of plain placements for each,
 /// so the variant as a whole still hits (only the rule's own gate closes).
