@@ -4,8 +4,10 @@
 //! commit bumps. Each replica keeps a mirror of everything under the prefix (one Range, then a
 //! Watch from the next revision), and reads only from it. A commit is one etcd transaction that
 //! applies the change's puts and deletes and bumps the counter, if the counter still holds the
-//! value this replica's mirror has: if another replica committed in between, nothing is written
-//! and the store re-reads and retries ([`StoreError::Conflict`]). After a commit the replica waits
+//! value the mirror had when the change began its reads ([`Backend::begin`]; not the value at
+//! commit time: the watch may have brought another replica's commit in between, and the change
+//! was computed without it). If another replica committed since, nothing is written and the
+//! store re-reads and retries ([`StoreError::Conflict`]). After a commit the replica waits
 //! until its mirror has the commit's revision, so it reads its own writes. Changes made by other
 //! replicas reach the mirror through the watch; the store then republishes the routing table
 //! (see [`open_store`]).
@@ -23,7 +25,7 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
-use crate::store::{Backend, Op, Store, StoreError, TreeId};
+use crate::store::{Backend, Op, ReadMark, Store, StoreError, TreeId};
 
 /// etcd's v3 API, generated (client side) from the vendored .proto files.
 #[allow(clippy::all, missing_docs)]
@@ -419,31 +421,36 @@ impl Backend for EtcdBackend {
             .collect())
     }
 
-    fn commit(&self, ops: &[Op]) -> Result<(), StoreError> {
+    fn begin(&self) -> ReadMark {
+        ReadMark(
+            self.read()
+                .entries
+                .get(&self.counter_key())
+                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+                .unwrap_or(0),
+        )
+    }
+
+    fn commit(&self, from: ReadMark, ops: &[Op]) -> Result<(), StoreError> {
         let counter_key = self.counter_key();
-        let counter = self.read().entries.get(&counter_key).cloned();
-        let compare = match &counter {
-            Some(value) => Compare {
-                key: counter_key.clone(),
-                target: CompareTarget::Value as i32,
-                result: CompareResult::Equal as i32,
-                target_union: Some(TargetUnion::Value(value.clone())),
-                ..Default::default()
-            },
+        let compare = match from.0 {
             // No commit yet: the counter must still not exist.
-            None => Compare {
+            0 => Compare {
                 key: counter_key.clone(),
                 target: CompareTarget::Version as i32,
                 result: CompareResult::Equal as i32,
                 target_union: Some(TargetUnion::Version(0)),
                 ..Default::default()
             },
+            seen => Compare {
+                key: counter_key.clone(),
+                target: CompareTarget::Value as i32,
+                result: CompareResult::Equal as i32,
+                target_union: Some(TargetUnion::Value(seen.to_string().into_bytes())),
+                ..Default::default()
+            },
         };
-        let next = counter
-            .as_deref()
-            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
-            .unwrap_or(0)
-            + 1;
+        let next = from.0 + 1;
         let mut success: Vec<RequestOp> = ops
             .iter()
             .map(|op| RequestOp {

@@ -16,8 +16,9 @@
 //!   writes, including the routing-table version bump, in one atomic backend commit (a multi-tree
 //!   sled transaction, or one etcd transaction), durable before it returns. A `kill -9` at any
 //!   point leaves either all of a change or none.
-//! - Across replicas (etcd), a commit succeeds only if no other commit happened since this
-//!   replica's reads (compare-and-swap on a change counter); otherwise the change is re-read,
+//! - Across replicas (etcd), a commit succeeds only if no other commit happened since the change
+//!   began its reads (compare-and-swap on the change counter as it was before the first read,
+//!   [`Backend::begin`], never as it is at commit time); otherwise the change is re-read,
 //!   re-validated and retried, so no write is lost and no version is given out twice.
 //! - The routing-table version only grows; it is bumped exactly when what routers see changes.
 //! - The published table is rebuilt and encoded once per version, under the same mutex, so
@@ -145,14 +146,23 @@ pub(crate) enum Op {
 /// Keys and values of a scan, in key order.
 pub(crate) type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// The state a change was computed from, as its backend tells it apart from later states (etcd:
+/// the change counter before the change's first read; sled, with one writer: nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ReadMark(pub(crate) u64);
+
 /// Where the state lives: reads, and atomic durable commits.
 pub(crate) trait Backend: Send + Sync {
     fn get(&self, tree: TreeId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
     /// Every `(key, value)` of `tree` whose key starts with `prefix`, in key order.
     fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Entries, StoreError>;
-    /// Commits `ops` all or nothing, durably. [`StoreError::Conflict`] when another writer
-    /// committed since this backend's reads were last brought up to date.
-    fn commit(&self, ops: &[Op]) -> Result<(), StoreError>;
+    /// Called before a change's first read: the mark its commit compares against.
+    fn begin(&self) -> ReadMark {
+        ReadMark::default()
+    }
+    /// Commits `ops` all or nothing, durably, if nothing was committed anywhere since `from`
+    /// ([`StoreError::Conflict`] otherwise: the change is read again and retried).
+    fn commit(&self, from: ReadMark, ops: &[Op]) -> Result<(), StoreError>;
     /// Brings reads up to date with every commit made so far, anywhere (after a conflict).
     fn sync(&self) -> Result<(), StoreError> {
         Ok(())
@@ -163,9 +173,15 @@ pub(crate) trait Backend: Send + Sync {
 /// How many times a change is retried when other replicas keep committing first.
 const COMMIT_ATTEMPTS: usize = 16;
 
+/// Runs just before a change commits (a test's way to let another replica commit in between).
+type CommitHook = Arc<dyn Fn() + Send + Sync>;
+
 pub struct Store {
     backend: Box<dyn Backend>,
     write: Mutex<()>,
+    /// The mark of the change being made (set by [`Store::mutate`] under `write`).
+    change_from: Mutex<ReadMark>,
+    before_commit: Mutex<Option<CommitHook>>,
     published: watch::Sender<Arc<PublishedTable>>,
 }
 
@@ -209,7 +225,7 @@ impl Backend for SledBackend {
             .collect()
     }
 
-    fn commit(&self, ops: &[Op]) -> Result<(), StoreError> {
+    fn commit(&self, _from: ReadMark, ops: &[Op]) -> Result<(), StoreError> {
         let [c, h, e, i, m] = &self.trees;
         let result: Result<(), TransactionError<()>> =
             (c, h, e, i, m).transaction(|(c, h, e, i, m)| {
@@ -301,6 +317,8 @@ impl Store {
         let store = Self {
             backend,
             write: Mutex::new(()),
+            change_from: Mutex::new(ReadMark::default()),
+            before_commit: Mutex::new(None),
             published,
         };
         {
@@ -323,6 +341,7 @@ impl Store {
         mut change: impl FnMut() -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         for _ in 0..COMMIT_ATTEMPTS {
+            *self.change_from.lock().unwrap_or_else(|p| p.into_inner()) = self.backend.begin();
             match change() {
                 Err(StoreError::Conflict) => self.backend.sync()?,
                 other => return other,
@@ -341,6 +360,13 @@ impl Store {
             self.publish()?;
         }
         Ok(())
+    }
+
+    /// Runs `hook` just before every commit of this store, from the thread making the change
+    /// (tests: another replica commits between this one's reads and its commit).
+    #[doc(hidden)]
+    pub fn before_commit(&self, hook: impl Fn() + Send + Sync + 'static) {
+        *self.before_commit.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(hook));
     }
 
     fn lock(&self) -> MutexGuard<'_, ()> {
@@ -377,7 +403,16 @@ impl Store {
                 v.to_be_bytes().to_vec(),
             ));
         }
-        self.backend.commit(&ops)?;
+        let hook = self
+            .before_commit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+        let from = *self.change_from.lock().unwrap_or_else(|p| p.into_inner());
+        self.backend.commit(from, &ops)?;
         if new_version.is_some() {
             self.publish()?;
         }

@@ -1,6 +1,8 @@
 //! Control-plane replicas over a real 3-member etcd cluster on loopback (the `etcd` binary of
 //! the distribution's `etcd-server` package; skipped with a message when it is missing, except
-//! under `CI=true`): updates reach routers on every replica, concurrent writers lose nothing,
+//! under `CI=true`): updates reach routers on every replica, a change computed before another
+//! replica's commit reached it is retried (not written over it), 8 concurrent writers through 3
+//! replicas lose nothing,
 //! routers fail over when a replica dies, etcd member loss, instance leases across replicas, and
 //! the control-plane contract suite run again on the etcd store.
 
@@ -176,44 +178,55 @@ async fn an_update_through_one_replica_reaches_the_routers_of_every_replica() {
     }
 }
 
-#[tokio::test]
-async fn concurrent_updates_through_two_replicas_lose_nothing() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_writers_through_three_replicas_lose_no_acknowledged_update() {
     if !etcd_here("etcd replicas") {
         return;
     }
     let _serial = SERIAL.lock().await;
     let cluster = EtcdCluster::start(3).await;
-    let a = replica(&cluster, "/t2/", &[]);
-    let b = replica(&cluster, "/t2/", &[]);
-    let ca = sdk(&a.url()).await;
+    let replicas = [0, 1, 2].map(|_| replica(&cluster, "/t2/", &[]));
+    let ca = sdk(&replicas[0].url()).await;
     let _engine = endpoint(&ca).await;
-    let writers = [a.url(), b.url()].map(|url| {
-        tokio::spawn(async move {
-            let c = sdk(&url).await;
-            let mut out = Vec::new();
-            for i in 0..10u32 {
-                let mut v = variant("v1", RoutingStrategy::Random, &["http://127.0.0.1:9"]);
-                v.initial_variant_weight = Some(1.0 + i as f32);
-                let r = c.update_endpoint_config("cfg", vec![v], None).await;
-                out.push(r.map(|u| (u.endpoint_config.revision, u.routing_table_version)));
-            }
-            out
-        })
-    });
-    let mut revisions = Vec::new();
-    let mut versions = Vec::new();
-    for w in writers {
-        for r in w.await.unwrap() {
-            match r {
-                Ok((rev, ver)) => {
-                    revisions.push(rev);
-                    versions.push(ver);
+    // 8 writers, 25 updates each, spread over the 3 replicas; each update's weight names it.
+    const WRITERS: u32 = 8;
+    const EACH: u32 = 25;
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let url = replicas[w as usize % 3].url();
+            tokio::spawn(async move {
+                let c = sdk(&url).await;
+                let mut out = Vec::new();
+                for i in 0..EACH {
+                    let weight = (1 + w * 1000 + i) as f32;
+                    let mut v = variant("v1", RoutingStrategy::Random, &["http://127.0.0.1:9"]);
+                    v.initial_variant_weight = Some(weight);
+                    let r = c.update_endpoint_config("cfg", vec![v], None).await;
+                    out.push((
+                        weight,
+                        r.map(|u| (u.endpoint_config.revision, u.routing_table_version)),
+                    ));
                 }
-                Err(e) => assert_eq!(e.code(), Some(Code::Aborted), "{e}"),
+                out
+            })
+        })
+        .collect();
+    let mut acknowledged = Vec::new();
+    let mut refused = Vec::new();
+    for w in writers {
+        for (weight, r) in w.await.unwrap() {
+            match r {
+                Ok((rev, ver)) => acknowledged.push((rev, ver, weight)),
+                Err(e) => {
+                    assert_eq!(e.code(), Some(Code::Aborted), "{e}");
+                    refused.push(weight);
+                }
             }
         }
     }
-    let n = revisions.len();
+    let n = acknowledged.len();
+    let mut revisions: Vec<u64> = acknowledged.iter().map(|a| a.0).collect();
+    let mut versions: Vec<u64> = acknowledged.iter().map(|a| a.1).collect();
     revisions.sort_unstable();
     versions.sort_unstable();
     revisions.dedup();
@@ -230,10 +243,129 @@ async fn concurrent_updates_through_two_replicas_lose_nothing() {
         1 + n as u64,
         "every acknowledged update is a revision"
     );
-    eprintln!(
-        "{n} of 20 concurrent updates applied, revisions 2..={}",
-        1 + n
+    // Each acknowledged update is stored at the revision it was told, and the final state is
+    // the last acknowledged one.
+    for &(rev, _, weight) in &acknowledged {
+        let at = ca.describe_endpoint_config("cfg", Some(rev)).await.unwrap();
+        assert_eq!(
+            at.endpoint_config.production_variants[0].initial_variant_weight,
+            Some(weight),
+            "revision {rev} does not hold the update acknowledged for it"
+        );
+    }
+    let last = acknowledged.iter().max_by_key(|a| a.0).unwrap();
+    assert_eq!(
+        latest.endpoint_config.production_variants[0].initial_variant_weight,
+        Some(last.2)
     );
+    for r in 2..=latest.latest_revision {
+        let at = ca.describe_endpoint_config("cfg", Some(r)).await.unwrap();
+        let w = at.endpoint_config.production_variants[0]
+            .initial_variant_weight
+            .unwrap();
+        assert!(
+            !refused.contains(&w),
+            "an update answered ABORTED was written (revision {r})"
+        );
+    }
+    eprintln!(
+        "{n} of {} concurrent updates through 3 replicas applied (revisions 2..={}), {} aborted after retries",
+        WRITERS * EACH,
+        1 + n,
+        refused.len()
+    );
+}
+
+/// Two stores over the same etcd prefix, as two replicas would hold them (in this process, so a
+/// test can step between one's reads and its commit).
+async fn two_stores(
+    cluster: &EtcdCluster,
+    prefix: &str,
+) -> (
+    Arc<control_plane::store::Store>,
+    Arc<control_plane::store::Store>,
+) {
+    let settings = control_plane::etcd::EtcdSettings {
+        endpoints: cluster.endpoints().split(',').map(str::to_string).collect(),
+        prefix: prefix.into(),
+        tls: Default::default(),
+        user: None,
+    };
+    let a = control_plane::etcd::open_store(&settings).await.unwrap();
+    let b = control_plane::etcd::open_store(&settings).await.unwrap();
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_computed_before_another_replicas_commit_reached_it_is_retried_not_written() {
+    if !etcd_here("etcd replicas") {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cluster = EtcdCluster::start(3).await;
+    let (a, b) = two_stores(&cluster, "/lost-update/").await;
+    let weights = |w: f32| {
+        let mut v = variant("v1", RoutingStrategy::Random, &["http://127.0.0.1:9"]);
+        v.initial_variant_weight = Some(w);
+        vec![v]
+    };
+    let (a2, v1) = (a.clone(), weights(1.0));
+    tokio::task::spawn_blocking(move || {
+        a2.create_config("cfg", &v1).unwrap();
+        a2.create_endpoint("ep", "cfg").unwrap();
+    })
+    .await
+    .unwrap();
+    // A's first commit waits while B commits revision 2 and A's mirror receives it: A computed
+    // its change (revision 2 too) from the state before.
+    let once = Arc::new(AtomicBool::new(false));
+    let (weak_a, b2, once2) = (Arc::downgrade(&a), b.clone(), once.clone());
+    a.before_commit(move || {
+        if once2.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let Some(a) = weak_a.upgrade() else { return };
+        let before = a.version().unwrap();
+        let (config, _) = b2.update_config("cfg", &weights(2.0), None).unwrap();
+        assert_eq!(config.revision, 2);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while a.version().unwrap() == before {
+            assert!(Instant::now() < deadline, "A's mirror never saw B's commit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let (a3, v3) = (a.clone(), weights(3.0));
+    let (config, _) = tokio::task::spawn_blocking(move || a3.update_config("cfg", &v3, None))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(once.load(Ordering::SeqCst), "the hook ran");
+    assert_eq!(
+        config.revision, 3,
+        "A's change was computed before B's revision 2 and must be retried on top of it"
+    );
+    let b3 = b.clone();
+    let history = tokio::task::spawn_blocking(move || {
+        (1..=3)
+            .map(|r| {
+                b3.describe_config("cfg", Some(r))
+                    .map(|(c, head, _)| (c, head))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let w: Vec<f32> = history
+        .iter()
+        .map(|(c, _)| c.production_variants[0].initial_variant_weight.unwrap())
+        .collect();
+    assert_eq!(
+        w,
+        [1.0, 2.0, 3.0],
+        "every acknowledged change has its own revision"
+    );
+    assert_eq!(history[2].1, 3, "the latest revision is A's");
 }
 
 #[tokio::test]
