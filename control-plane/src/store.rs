@@ -24,7 +24,8 @@
 //! - The published table is rebuilt and encoded once per version, under the same mutex, so
 //!   watchers observe versions in order and share one buffer.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -64,9 +65,9 @@ pub enum StoreError {
     #[error("storage error: {0}")]
     Storage(sled::Error),
     /// The disk under `--data-dir` is full (or over quota): the change was not made, and reads
-    /// and watches go on from what was stored. sled stops writing after a failed write, so
-    /// changes are refused until the process restarts (with space freed).
-    #[error("the control plane's store is out of disk space ({0}): changes are refused until space is freed and the control plane restarted; reads and routing-table watches go on")]
+    /// and watches go on from what was stored. The next change tries again (the store is
+    /// reopened once space is back, see [`SledBackend`]).
+    #[error("the control plane's store is out of disk space ({0}): changes are refused until space is freed (no restart needed); reads and routing-table watches go on")]
     OutOfSpace(sled::Error),
     #[error("corrupt record in {tree}: {error}")]
     Corrupt {
@@ -186,13 +187,27 @@ pub struct Store {
 }
 
 /// The sled backend: one tree per [`TreeId`], multi-tree transactions, a flush per commit.
+///
+/// sled refuses every write after one failed (its global error), so a write that fails for want
+/// of space marks the database for reopening: the next commit first checks that a write of
+/// [`SPACE_PROBE`] bytes fits under the directory, then reopens it (still refused, with the same
+/// error, while the disk is full). Writes work again as soon as space returns, with no restart.
 pub(crate) struct SledBackend {
+    dir: std::path::PathBuf,
+    open: RwLock<Option<SledDb>>,
+    out_of_space: AtomicBool,
+}
+
+struct SledDb {
     db: sled::Db,
     trees: [Tree; 5],
 }
 
-impl SledBackend {
-    pub(crate) fn open(dir: &std::path::Path) -> Result<Self, StoreError> {
+/// How much must fit on the disk before a store that ran out of space is reopened.
+const SPACE_PROBE: usize = 1 << 20;
+
+impl SledDb {
+    fn open(dir: &std::path::Path) -> Result<Self, StoreError> {
         let db = sled::Config::new().path(dir).flush_every_ms(None).open()?;
         let tree = |id: TreeId| db.open_tree(id.name());
         let trees = [
@@ -202,7 +217,7 @@ impl SledBackend {
             tree(TreeId::Instances)?,
             tree(TreeId::Meta)?,
         ];
-        Ok(SledBackend { db, trees })
+        Ok(SledDb { db, trees })
     }
 
     fn tree(&self, id: TreeId) -> &Tree {
@@ -210,23 +225,98 @@ impl SledBackend {
     }
 }
 
+impl SledBackend {
+    pub(crate) fn open(dir: &std::path::Path) -> Result<Self, StoreError> {
+        Ok(SledBackend {
+            dir: dir.to_path_buf(),
+            open: RwLock::new(Some(SledDb::open(dir)?)),
+            out_of_space: AtomicBool::new(false),
+        })
+    }
+
+    /// Runs `f` on the open database.
+    fn with_db<T>(
+        &self,
+        f: impl FnOnce(&SledDb) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        match self.open.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(db) => f(db),
+            None => Err(StoreError::Unavailable(format!(
+                "the store under {} could not be reopened after running out of disk space; the next change tries again",
+                self.dir.display()
+            ))),
+        }
+    }
+
+    /// Notes a failed write: one for want of space has sled refuse every later write.
+    fn failed(&self, e: sled::Error) -> StoreError {
+        let e = StoreError::from(e);
+        if matches!(e, StoreError::OutOfSpace(_)) {
+            self.out_of_space.store(true, Ordering::SeqCst);
+        }
+        e
+    }
+
+    /// After running out of space: reopens the database once a probe write fits.
+    fn recover(&self) -> Result<(), StoreError> {
+        use std::io::Write as _;
+        let probe = self.dir.join("space-probe");
+        let written = std::fs::File::create(&probe).and_then(|mut f| {
+            f.write_all(&[0u8; SPACE_PROBE])?;
+            f.sync_data()
+        });
+        let _ = std::fs::remove_file(&probe);
+        written.map_err(|e| StoreError::from(sled::Error::Io(e)))?;
+        let mut open = self.open.write().unwrap_or_else(|p| p.into_inner());
+        // sled holds a lock on its directory until the last handle is dropped.
+        *open = None;
+        let mut reopened = SledDb::open(&self.dir);
+        for _ in 0..20 {
+            if reopened.is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            reopened = SledDb::open(&self.dir);
+        }
+        *open = Some(reopened?);
+        self.out_of_space.store(false, Ordering::SeqCst);
+        tracing::info!(dir = %self.dir.display(), "disk space is back: the store takes changes again");
+        Ok(())
+    }
+}
+
 impl Backend for SledBackend {
     fn get(&self, tree: TreeId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.tree(tree).get(key)?.map(|v| v.to_vec()))
+        self.with_db(|db| Ok(db.tree(tree).get(key)?.map(|v| v.to_vec())))
     }
 
     fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Entries, StoreError> {
-        self.tree(tree)
-            .scan_prefix(prefix)
-            .map(|kv| {
-                let (k, v) = kv?;
-                Ok((k.to_vec(), v.to_vec()))
-            })
-            .collect()
+        self.with_db(|db| {
+            db.tree(tree)
+                .scan_prefix(prefix)
+                .map(|kv| {
+                    let (k, v) = kv?;
+                    Ok((k.to_vec(), v.to_vec()))
+                })
+                .collect()
+        })
     }
 
     fn commit(&self, _from: ReadMark, ops: &[Op]) -> Result<(), StoreError> {
-        let [c, h, e, i, m] = &self.trees;
+        if self.out_of_space.load(Ordering::SeqCst) {
+            self.recover()?;
+        }
+        self.with_db(|db| self.commit_to(db, ops))
+    }
+
+    fn flush(&self) -> Result<(), StoreError> {
+        self.with_db(|db| db.db.flush().map(drop).map_err(|e| self.failed(e)))
+    }
+}
+
+impl SledBackend {
+    fn commit_to(&self, db: &SledDb, ops: &[Op]) -> Result<(), StoreError> {
+        let [c, h, e, i, m] = &db.trees;
         let result: Result<(), TransactionError<()>> =
             (c, h, e, i, m).transaction(|(c, h, e, i, m)| {
                 let pick = |id: TreeId| -> &TransactionalTree {
@@ -252,15 +342,10 @@ impl Backend for SledBackend {
             });
         match result {
             Ok(()) => {}
-            Err(TransactionError::Storage(e)) => return Err(e.into()),
+            Err(TransactionError::Storage(e)) => return Err(self.failed(e)),
             Err(TransactionError::Abort(())) => unreachable!("the transaction never aborts"),
         }
-        self.db.flush()?;
-        Ok(())
-    }
-
-    fn flush(&self) -> Result<(), StoreError> {
-        self.db.flush()?;
+        db.db.flush().map_err(|e| self.failed(e))?;
         Ok(())
     }
 }
