@@ -187,3 +187,61 @@ fn demo_prints_each_instance_share_for_both_halves() {
         assert!((sum - 100.0).abs() < 1.0, "{line}");
     }
 }
+
+#[test]
+fn a_run_whose_requests_mostly_fail_stops_early_and_says_why() {
+    // An engine whose context is shorter than the workload's prompts: every request is refused
+    // (HTTP 400, vLLM's message). The run is asked for 10 minutes; it must stop on its own.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (url, _stop) = runtime.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let config = <engine_sim::Config as clap::Parser>::try_parse_from([
+            "engine-sim",
+            "--max-model-len",
+            "512",
+        ])
+        .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(engine_sim::serve(l, config, async move {
+            let _ = stopped.await;
+        }));
+        (url, stop)
+    });
+    let out = Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args([
+            "bench",
+            "--engines",
+            &url,
+            "--workload",
+            "long-context",
+            "--strategies",
+            "PREFIX_AWARE",
+            "--warmup",
+            "0",
+            "--duration",
+            "600",
+            "--concurrency",
+            "4",
+        ])
+        .timeout(std::time::Duration::from_secs(120))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("stopped early: PREFIX_AWARE:"), "{stderr}");
+    assert!(stderr.contains("requests failed (HTTP 400: "), "{stderr}");
+    assert!(
+        stderr.contains("maximum context length is 512 tokens"),
+        "the engine's own words: {stderr}"
+    );
+    assert!(
+        stderr.contains("--token-scale (now 1; try 0.5)"),
+        "{stderr}"
+    );
+}

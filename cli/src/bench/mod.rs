@@ -14,6 +14,7 @@
 //! `/metrics` counters when they have them, else from the responses (see [`engines`]).
 
 pub mod engines;
+pub mod failures;
 pub mod fleet;
 pub mod load;
 pub mod metrics;
@@ -531,26 +532,30 @@ async fn run_strategy(
     let mut autoscale = (args.workload == WorkloadKind::Autoscale)
         .then(|| AutoscaleRun::new(args, measure_from, measure));
     let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut errors = 0usize;
+    let mut failures = failures::Failures::default();
     loop {
         tokio::select! {
             s = rx.recv() => match s {
                 Some(Finished { sample: s, usage }) => {
-                    if s.error.is_some() {
-                        errors += 1;
-                        if errors <= 3 {
-                            bar.println(format!("request error: {}", s.error.as_deref().unwrap_or_default()));
-                        }
+                    failures.count(s.error.as_deref());
+                    if s.error.is_some() && failures.errors() <= 3 {
+                        bar.println(format!("request error: {}", s.error.as_deref().unwrap_or_default()));
                     }
                     samples.push(s);
                     usages.push(usage);
+                    if failures.most_failed(failures::STOP_AFTER) {
+                        clients.abort();
+                        bar.finish_and_clear();
+                        fleet.stop().await;
+                        anyhow::bail!("stopped early: {}", failures.explain(strategy.user_name(), args.token_scale));
+                    }
                 }
                 None => break,
             },
             _ = tick.tick() => {
                 let now = Instant::now();
                 bar.set_position(now.saturating_duration_since(start).as_millis() as u64);
-                bar.set_message(format!("{} requests, {errors} errors", samples.len()));
+                bar.set_message(format!("{} requests, {} errors", samples.len(), failures.errors()));
                 if first.is_none() && now >= measure_from {
                     first = Some((snapshot(&fleet).await?, fleet.decision_histogram().await?));
                 }
@@ -562,6 +567,13 @@ async fn run_strategy(
     }
     clients.await.context("load clients failed")?;
     bar.finish_and_clear();
+    if failures.most_failed(1) {
+        fleet.stop().await;
+        anyhow::bail!(
+            "{}",
+            failures.explain(strategy.user_name(), args.token_scale)
+        );
+    }
     let end = snapshot(&fleet).await?;
     let end_hist = fleet.decision_histogram().await?;
     let (begin, begin_hist) = match first {
