@@ -5,7 +5,10 @@
 //! call without a valid `authorization: Bearer TOKEN` gets `UNAUTHENTICATED`; a reader calling
 //! anything else gets `PERMISSION_DENIED`, before the service sees the call (so nothing is
 //! written). Tokens are compared in constant time ([`credentials::Keyring`]) and the file is
-//! re-read when it changes and on SIGHUP; messages never contain a token.
+//! re-read when it changes and on SIGHUP; messages never contain a token. A peer address that
+//! keeps presenting wrong tokens is refused (`UNAVAILABLE`, `retry-after` seconds in the
+//! metadata) for a time that doubles with each further failure ([`credentials::Throttle`]);
+//! other peers are never slowed.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -13,7 +16,7 @@ use std::task::{Context, Poll};
 use futures_util::future::{ready, Either, Ready};
 use tonic::Status;
 
-use credentials::SecretFile;
+use credentials::{SecretFile, Throttle};
 
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,15 +96,42 @@ pub fn authorize(
     Ok(role)
 }
 
+/// The caller's address, as tonic's server records it (plain TCP or TLS).
+fn peer_of<B>(request: &http::Request<B>) -> Option<std::net::IpAddr> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let ext = request.extensions();
+    ext.get::<TcpConnectInfo>()
+        .and_then(|i| i.remote_addr())
+        .or_else(|| {
+            ext.get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(|i| i.get_ref().remote_addr())
+        })
+        .map(|a| a.ip())
+}
+
+/// The answer to a peer refused for its failures: UNAVAILABLE, with when to retry.
+fn throttled(wait: std::time::Duration) -> Status {
+    let secs = wait.as_millis().div_ceil(1000).max(1);
+    let mut status = Status::unavailable(format!(
+        "too many failed authentications from this address: retry in {secs} s"
+    ));
+    if let Ok(v) = secs.to_string().parse() {
+        status.metadata_mut().insert("retry-after", v);
+    }
+    status
+}
+
 /// A tower layer that authorizes every gRPC call (no-op without a token file).
 #[derive(Clone, Default)]
 pub struct AuthLayer {
     tokens: Option<Arc<SecretFile<Role>>>,
+    throttle: Arc<Throttle>,
 }
 
 impl AuthLayer {
-    pub fn new(tokens: Option<Arc<SecretFile<Role>>>) -> Self {
-        Self { tokens }
+    /// Checks calls against `tokens`; `throttle` keeps the failures of each peer address.
+    pub fn new(tokens: Option<Arc<SecretFile<Role>>>, throttle: Arc<Throttle>) -> Self {
+        Self { tokens, throttle }
     }
 }
 
@@ -112,6 +142,7 @@ impl<S> tower_layer::Layer<S> for AuthLayer {
         AuthService {
             inner,
             tokens: self.tokens.clone(),
+            throttle: self.throttle.clone(),
         }
     }
 }
@@ -121,6 +152,7 @@ impl<S> tower_layer::Layer<S> for AuthLayer {
 pub struct AuthService<S> {
     inner: S,
     tokens: Option<Arc<SecretFile<Role>>>,
+    throttle: Arc<Throttle>,
 }
 
 impl<S, B, R> tower_service::Service<http::Request<B>> for AuthService<S>
@@ -138,11 +170,25 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         if let Some(tokens) = &self.tokens {
+            let peer = peer_of(&request);
+            if let Some(wait) = peer.and_then(|p| self.throttle.check(p).err()) {
+                return Either::Left(ready(Ok(throttled(wait).into_http())));
+            }
             let checked = authorize(
                 tokens,
                 request.uri().path(),
                 request.headers().get(http::header::AUTHORIZATION),
             );
+            let presented = request.headers().contains_key(http::header::AUTHORIZATION);
+            match (&checked, peer) {
+                // A wrong token presented is a guess; none at all, or a reader's token used
+                // for a write, is not.
+                (Err(s), Some(p)) if presented && s.code() == tonic::Code::Unauthenticated => {
+                    self.throttle.failed(p)
+                }
+                (Ok(_), Some(p)) => self.throttle.succeeded(p),
+                _ => {}
+            }
             if let Err(status) = checked {
                 return Either::Left(ready(Ok(status.into_http())));
             }

@@ -291,6 +291,7 @@ pub async fn serve_with(
 ) -> anyhow::Result<()> {
     let nodes = Arc::new(NodeRegistry::default());
     let rpc_stats = Arc::new(metrics::RpcStats::default());
+    let throttle = Arc::new(credentials::Throttle::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
     let reaper = tokio::spawn(reap_leases(
@@ -306,6 +307,7 @@ pub async fn serve_with(
             rpc: rpc_stats.clone(),
             nodes: nodes.clone(),
             store: store.clone(),
+            throttle: throttle.clone(),
         };
         let mut stop = stop_rx.clone();
         tokio::spawn(metrics::serve(l, source, async move {
@@ -348,7 +350,7 @@ pub async fn serve_with(
     let max_message = options.max_message_bytes;
     let result = builder
         .layer(rpc_layer::RpcLayer::new(rpc_stats))
-        .layer(auth::AuthLayer::new(options.auth))
+        .layer(auth::AuthLayer::new(options.auth, throttle))
         .add_service(
             proto::control_plane_server::ControlPlaneServer::new(
                 ControlPlaneService::new(store.clone(), nodes.clone())

@@ -111,6 +111,8 @@ pub struct MetricsSource {
     pub rpc: Arc<RpcStats>,
     pub nodes: Arc<NodeRegistry>,
     pub store: Arc<Store>,
+    /// Failed authentications per peer ([`crate::auth`]).
+    pub throttle: Arc<credentials::Throttle>,
 }
 
 impl MetricsSource {
@@ -119,6 +121,11 @@ impl MetricsSource {
     pub fn render(&self) -> String {
         let mut out = Exposition::new();
         self.describe_rpc(&mut out);
+        out.counter(
+            "prefix_router_control_plane_auth_throttled_total",
+            "Calls refused (UNAVAILABLE) because their peer address presented wrong tokens too often.",
+        )
+        .sample(&[], self.throttle.refused() as f64);
         let current = self.store.published().version;
         out.gauge(
             "prefix_router_control_plane_routing_table_version",
@@ -265,6 +272,7 @@ mod tests {
             rpc: Arc::new(rpc),
             nodes: Arc::new(NodeRegistry::default()),
             store: Arc::new(Store::open(dir.path()).unwrap()),
+            throttle: Default::default(),
         };
         let text = source.render();
         assert!(text.contains(

@@ -10,6 +10,10 @@
 //!
 //! Secrets never appear in errors or logs: messages name the file and the line number only.
 
+pub mod throttle;
+
+pub use throttle::Throttle;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -194,43 +198,136 @@ impl<L: Copy + Send + Sync + 'static> SecretFile<L> {
     /// aborted or the runtime ends. `what` names the file in logs ("auth token file").
     pub fn spawn_reload(self: &Arc<Self>, what: &'static str) -> tokio::task::JoinHandle<()> {
         let file = self.clone();
-        tokio::spawn(async move {
+        spawn_reloader(self.path.clone(), what, move || file.reload())
+    }
+}
+
+/// Calls `reload` every [`RELOAD_INTERVAL`] and on SIGHUP (off the runtime's threads), logging
+/// what changed and the first of a run of errors, until the task is aborted or the runtime ends.
+fn spawn_reloader(
+    path: PathBuf,
+    what: &'static str,
+    reload: impl Fn() -> Result<bool, Error> + Send + Sync + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let reload = Arc::new(reload);
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut hangup =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut tick = tokio::time::interval(RELOAD_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
             #[cfg(unix)]
-            let mut hangup =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-            let mut tick = tokio::time::interval(RELOAD_INTERVAL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut failing = false;
-            loop {
-                #[cfg(unix)]
-                {
-                    let hup = async {
-                        match hangup.as_mut() {
-                            Some(s) => {
-                                s.recv().await;
-                            }
-                            None => std::future::pending::<()>().await,
+            {
+                let hup = async {
+                    match hangup.as_mut() {
+                        Some(s) => {
+                            s.recv().await;
                         }
-                    };
-                    tokio::select! { _ = tick.tick() => {}, _ = hup => {} }
-                }
-                #[cfg(not(unix))]
-                tick.tick().await;
-                let f = file.clone();
-                match tokio::task::spawn_blocking(move || f.reload()).await {
-                    Ok(Ok(true)) => {
-                        failing = false;
-                        tracing::info!(file = %file.path.display(), "{what} re-read; new secrets in use");
+                        None => std::future::pending::<()>().await,
                     }
-                    Ok(Ok(false)) => failing = false,
-                    Ok(Err(e)) if !failing => {
-                        failing = true;
-                        tracing::error!("{what}: {e}; the previous secrets stay in use");
-                    }
-                    Ok(Err(_)) | Err(_) => {}
-                }
+                };
+                tokio::select! { _ = tick.tick() => {}, _ = hup => {} }
             }
+            #[cfg(not(unix))]
+            tick.tick().await;
+            let r = reload.clone();
+            match tokio::task::spawn_blocking(move || r()).await {
+                Ok(Ok(true)) => {
+                    failing = false;
+                    tracing::info!(file = %path.display(), "{what} re-read; new secrets in use");
+                }
+                Ok(Ok(false)) => failing = false,
+                Ok(Err(e)) if !failing => {
+                    failing = true;
+                    tracing::error!("{what}: {e}; the previous secrets stay in use");
+                }
+                Ok(Err(_)) | Err(_) => {}
+            }
+        }
+    })
+}
+
+/// The first secret of a file, turned into a `T` (e.g. the header an upstream receives) and
+/// kept current like a [`SecretFile`]: re-read on change and on SIGHUP; a version that does not
+/// parse is refused and the previous value stays in use.
+pub struct SecretValue<T> {
+    path: PathBuf,
+    convert: fn(&str) -> Result<T, String>,
+    value: ArcSwap<T>,
+    content: std::sync::Mutex<u64>,
+}
+
+impl<T> std::fmt::Debug for SecretValue<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretValue")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Send + Sync + 'static> SecretValue<T> {
+    /// Reads `path`'s first secret and converts it (an error names the file, never the secret).
+    pub fn open(
+        path: impl Into<PathBuf>,
+        convert: fn(&str) -> Result<T, String>,
+    ) -> Result<Self, Error> {
+        let path = path.into();
+        let (hash, value) = Self::read(&path, convert)?;
+        Ok(SecretValue {
+            path,
+            convert,
+            value: ArcSwap::from_pointee(value),
+            content: std::sync::Mutex::new(hash),
         })
+    }
+
+    fn read(path: &Path, convert: fn(&str) -> Result<T, String>) -> Result<(u64, T), Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let (line, first, _) = lines(&text).next().ok_or_else(|| Error::Empty {
+            path: path.display().to_string(),
+        })?;
+        let value = convert(first).map_err(|message| Error::Line {
+            path: path.display().to_string(),
+            line,
+            message,
+        })?;
+        Ok((xxhash_rust::xxh3::xxh3_64(text.as_bytes()), value))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The current value.
+    pub fn get(&self) -> arc_swap::Guard<Arc<T>> {
+        self.value.load()
+    }
+
+    /// Re-reads the file; `Ok(true)` if it changed and the new value is in use.
+    pub fn reload(&self) -> Result<bool, Error> {
+        let text = std::fs::read_to_string(&self.path).map_err(|source| Error::Read {
+            path: self.path.display().to_string(),
+            source,
+        })?;
+        let mut last = self.content.lock().unwrap_or_else(|e| e.into_inner());
+        if *last == xxhash_rust::xxh3::xxh3_64(text.as_bytes()) {
+            return Ok(false);
+        }
+        let (hash, value) = Self::read(&self.path, self.convert)?;
+        self.value.store(Arc::new(value));
+        *last = hash;
+        Ok(true)
+    }
+
+    /// Re-reads the file every [`RELOAD_INTERVAL`] and on SIGHUP (see [`SecretFile::spawn_reload`]).
+    pub fn spawn_reload(self: &Arc<Self>, what: &'static str) -> tokio::task::JoinHandle<()> {
+        let file = self.clone();
+        spawn_reloader(self.path.clone(), what, move || file.reload())
     }
 }
 

@@ -6,6 +6,7 @@
 //! constant time ([`credentials::Keyring`]); the key file is re-read when it changes. Neither a
 //! client's key nor the upstream key is ever logged, traced or put in an error message.
 
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -13,7 +14,7 @@ use anyhow::Context as _;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::Response;
 
-use credentials::SecretFile;
+use credentials::{SecretFile, SecretValue};
 
 use crate::config::Config;
 use crate::proxy::ResponseBody;
@@ -27,8 +28,11 @@ pub(crate) fn is_open_path(path: &str) -> bool {
 #[derive(Debug, Default)]
 pub(crate) struct Access {
     api_keys: Option<Arc<SecretFile<()>>>,
+    /// Clients whose keys keep failing, refused for a while ([`credentials::Throttle`]).
+    throttle: credentials::Throttle,
     forward_authorization: bool,
-    upstream_authorization: Option<HeaderValue>,
+    /// `Bearer KEY` from `--upstream-api-key-file`, kept current as the file changes.
+    upstream_authorization: Option<Arc<SecretValue<HeaderValue>>>,
     max_in_flight: usize,
     in_flight: Arc<AtomicUsize>,
 }
@@ -37,8 +41,20 @@ pub(crate) struct Access {
 pub(crate) enum Refusal {
     /// 401: no key, or not one of ours.
     Unauthorized(&'static str),
+    /// 429: this client's keys failed too often; it may try again after this long.
+    Throttled(std::time::Duration),
     /// 503: `--max-in-flight` reached.
     Overloaded(usize),
+}
+
+impl Refusal {
+    pub(crate) fn status(&self) -> u16 {
+        match self {
+            Refusal::Unauthorized(_) => 401,
+            Refusal::Throttled(_) => 429,
+            Refusal::Overloaded(_) => 503,
+        }
+    }
 }
 
 impl Access {
@@ -51,21 +67,14 @@ impl Access {
             None => None,
         };
         let upstream_authorization = match &config.upstream_api_key_file {
-            Some(path) => {
-                let key = credentials::read_first(path).context("--upstream-api-key-file")?;
-                let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
-                    anyhow::anyhow!(
-                        "--upstream-api-key-file {}: the key has characters a header cannot carry",
-                        path.display()
-                    )
-                })?;
-                value.set_sensitive(true);
-                Some(value)
-            }
+            Some(path) => Some(Arc::new(
+                SecretValue::open(path, bearer_header).context("--upstream-api-key-file")?,
+            )),
             None => None,
         };
         Ok(Access {
             api_keys,
+            throttle: Default::default(),
             forward_authorization: config.forward_authorization,
             upstream_authorization,
             max_in_flight: usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
@@ -78,19 +87,33 @@ impl Access {
         self.api_keys.as_ref()
     }
 
-    /// Checks the client's key (when keys are configured).
-    pub(crate) fn authenticate(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+    /// The upstream key file, for its reload task.
+    pub(crate) fn upstream_key(&self) -> Option<&Arc<SecretValue<HeaderValue>>> {
+        self.upstream_authorization.as_ref()
+    }
+
+    /// Checks the client's key (when keys are configured); a client (`peer`) whose keys keep
+    /// failing is refused for a while before its key is looked at.
+    pub(crate) fn authenticate(&self, headers: &HeaderMap, peer: IpAddr) -> Result<(), Refusal> {
         let Some(keys) = &self.api_keys else {
             return Ok(());
         };
+        self.throttle.check(peer).map_err(Refusal::Throttled)?;
         let Some(value) = headers.get(header::AUTHORIZATION) else {
+            // No key at all is not a guess: not counted.
             return Err(Refusal::Unauthorized(
                 "missing API key: send it as `Authorization: Bearer KEY`",
             ));
         };
         match credentials::bearer(value.as_bytes()).and_then(|k| keys.check(k)) {
-            Some(()) => Ok(()),
-            None => Err(Refusal::Unauthorized("incorrect API key provided")),
+            Some(()) => {
+                self.throttle.succeeded(peer);
+                Ok(())
+            }
+            None => {
+                self.throttle.failed(peer);
+                Err(Refusal::Unauthorized("incorrect API key provided"))
+            }
         }
     }
 
@@ -119,7 +142,7 @@ impl Access {
         client: Option<&HeaderValue>,
     ) -> Option<HeaderValue> {
         match (&self.upstream_authorization, client) {
-            (Some(key), _) => Some(key.clone()),
+            (Some(key), _) => Some((**key.get()).clone()),
             (None, Some(c)) if self.forward_authorization => Some(c.clone()),
             _ => None,
         }
@@ -136,6 +159,19 @@ impl Drop for Admission {
     }
 }
 
+/// `Bearer KEY`, marked sensitive (kept out of logs and HPACK tables).
+fn bearer_header(key: &str) -> Result<HeaderValue, String> {
+    let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+        .map_err(|_| "the key has characters a header cannot carry".to_string())?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
+/// Whole seconds, rounded up: a client that waits as told is let in.
+fn retry_after_secs(wait: std::time::Duration) -> u128 {
+    wait.as_millis().div_ceil(1000).max(1)
+}
+
 /// The OpenAI-shaped answer to a refusal.
 pub(crate) fn refusal_response(refusal: &Refusal) -> Response<ResponseBody> {
     let (status, message, kind, code) = match refusal {
@@ -144,6 +180,15 @@ pub(crate) fn refusal_response(refusal: &Refusal) -> Response<ResponseBody> {
             (*message).to_string(),
             "invalid_request_error",
             "invalid_api_key",
+        ),
+        Refusal::Throttled(wait) => (
+            429,
+            format!(
+                "too many failed authentications from this address: retry in {} s",
+                retry_after_secs(*wait)
+            ),
+            "rate_limit_exceeded",
+            "too_many_failed_authentications",
         ),
         Refusal::Overloaded(max) => (
             503,
@@ -161,6 +206,11 @@ pub(crate) fn refusal_response(refusal: &Refusal) -> Response<ResponseBody> {
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        Refusal::Throttled(wait) => {
+            if let Ok(v) = HeaderValue::from_str(&retry_after_secs(*wait).to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
         Refusal::Overloaded(_) => {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -174,6 +224,8 @@ mod tests {
     use super::*;
     use clap::Parser as _;
 
+    const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
     fn config(args: &[&str]) -> Config {
         Config::parse_from(std::iter::once("data-plane").chain(args.iter().copied()))
     }
@@ -186,13 +238,13 @@ mod tests {
         let access = Access::load(&config(&["--api-key-file", keys.to_str().unwrap()])).unwrap();
         let mut h = HeaderMap::new();
         assert!(
-            matches!(access.authenticate(&h), Err(Refusal::Unauthorized(m)) if m.contains("missing"))
+            matches!(access.authenticate(&h, PEER), Err(Refusal::Unauthorized(m)) if m.contains("missing"))
         );
         h.insert(
             header::AUTHORIZATION,
             HeaderValue::from_static("Bearer sk-wrong"),
         );
-        let Err(refusal) = access.authenticate(&h) else {
+        let Err(refusal) = access.authenticate(&h, PEER) else {
             panic!("a wrong key passed")
         };
         let r = refusal_response(&refusal);
@@ -201,12 +253,52 @@ mod tests {
             header::AUTHORIZATION,
             HeaderValue::from_static("Bearer sk-client-2"),
         );
-        assert!(access.authenticate(&h).is_ok());
+        assert!(access.authenticate(&h, PEER).is_ok());
         // no key file: everyone is let in
         assert!(Access::load(&config(&[]))
             .unwrap()
-            .authenticate(&HeaderMap::new())
+            .authenticate(&HeaderMap::new(), PEER)
             .is_ok());
+    }
+
+    #[test]
+    fn a_client_whose_keys_keep_failing_is_throttled_and_others_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, "sk-good\n").unwrap();
+        let access = Access::load(&config(&["--api-key-file", keys.to_str().unwrap()])).unwrap();
+        let header = |k: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, HeaderValue::from_static(k));
+            h
+        };
+        let guesser: IpAddr = "192.0.2.7".parse().unwrap();
+        for _ in 0..credentials::throttle::FREE_FAILURES {
+            assert!(matches!(
+                access.authenticate(&header("Bearer sk-guess"), guesser),
+                Err(Refusal::Unauthorized(_))
+            ));
+        }
+        assert!(
+            access
+                .authenticate(&header("Bearer sk-good"), guesser)
+                .is_ok(),
+            "not yet throttled"
+        );
+        for _ in 0..=credentials::throttle::FREE_FAILURES {
+            let _ = access.authenticate(&header("Bearer sk-guess"), guesser);
+        }
+        let refused = access
+            .authenticate(&header("Bearer sk-good"), guesser)
+            .err()
+            .expect("throttled, even with the right key");
+        let r = refusal_response(&refused);
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        assert!(
+            access.authenticate(&header("Bearer sk-good"), PEER).is_ok(),
+            "another client's right key is never slowed"
+        );
     }
 
     #[test]
@@ -230,6 +322,13 @@ mod tests {
         );
         let e = Access::load(&config(&["--upstream-api-key-file", "/nonexistent/k"])).unwrap_err();
         assert!(format!("{e:#}").contains("/nonexistent/k"), "{e:#}");
+        // A rotated key is sent from the next re-read on (the reload task calls it).
+        std::fs::write(&up, "sk-rotated\n").unwrap();
+        assert!(keyed.upstream_key().unwrap().reload().unwrap());
+        assert_eq!(
+            keyed.upstream_authorization(Some(&client)).unwrap(),
+            "Bearer sk-rotated"
+        );
     }
 
     #[test]

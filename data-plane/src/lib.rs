@@ -150,6 +150,10 @@ pub async fn serve(
         .access
         .api_keys()
         .map(|keys| AbortOnDrop(keys.spawn_reload("API key file")));
+    let _upstream_key_reload = router
+        .access
+        .upstream_key()
+        .map(|key| AbortOnDrop(key.spawn_reload("upstream API key file")));
     if let Some(path) = &config.table_cache {
         match watch::load_cache(&router, path) {
             Ok(Some(version)) => {
@@ -304,12 +308,21 @@ async fn worker_loop(
         let mut stop = stop.clone();
         let drain = drain.clone();
         let settings = settings.clone();
+        // The client's address, for throttling failed authentication per peer.
+        let peer = stream
+            .peer_addr()
+            .map(|a| a.ip())
+            .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
         connections.spawn(async move {
             match &settings.tls {
-                None => serve_connection(TokioIo::new(stream), &router, &mut stop, &settings).await,
+                None => {
+                    serve_connection(TokioIo::new(stream), peer, &router, &mut stop, &settings)
+                        .await
+                }
                 Some(acceptor) => {
                     if let Some(tls) = accept_tls(stream, acceptor, &settings).await {
-                        serve_connection(TokioIo::new(tls), &router, &mut stop, &settings).await;
+                        serve_connection(TokioIo::new(tls), peer, &router, &mut stop, &settings)
+                            .await;
                     }
                 }
             }
@@ -381,6 +394,7 @@ struct FirstRequest {
 /// Serves one connection until it closes, or drains it once the shutdown stage is reached.
 async fn serve_connection<I>(
     io: TokioIo<I>,
+    peer: std::net::IpAddr,
     router: &Arc<proxy::Router>,
     stop: &mut tokio::sync::watch::Receiver<u8>,
     settings: &ConnectionSettings,
@@ -394,7 +408,7 @@ async fn serve_connection<I>(
         if !seen.started.swap(true, Relaxed) {
             seen.notify.notify_one();
         }
-        handler.clone().handle(req)
+        handler.clone().handle(req, peer)
     });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())

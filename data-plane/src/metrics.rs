@@ -143,6 +143,8 @@ pub struct Metrics {
     pub tables_rejected: AtomicU64,
     pub control_plane_connected: AtomicU64,
     pub retries: AtomicU64,
+    /// Requests refused because their client's API keys failed too often.
+    pub auth_throttled: AtomicU64,
     pub ejections: Arc<AtomicU64>,
     /// Open client connections per worker thread (`serve` hands a new one to the lowest).
     pub worker_connections: Box<[AtomicU64]>,
@@ -332,7 +334,7 @@ impl Metrics {
             "Routing decision latency: body parse, prefix hash and instance choice.",
             &mut out,
         );
-        let gauges: [(&str, bool, &str, u64); 7] = [
+        let gauges: [(&str, bool, &str, u64); 8] = [
             (
                 "prefix_router_table_version",
                 false,
@@ -362,6 +364,12 @@ impl Metrics {
                 true,
                 "Requests retried on another instance after a connect error or 5xx.",
                 self.retries.load(Relaxed),
+            ),
+            (
+                "prefix_router_auth_throttled_total",
+                true,
+                "Requests refused (429) because their client address presented wrong API keys too often.",
+                self.auth_throttled.load(Relaxed),
             ),
             (
                 "prefix_router_ejections_total",

@@ -93,11 +93,15 @@ impl Router {
     pub(crate) async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
+        peer: std::net::IpAddr,
     ) -> Result<Response<ResponseBody>, Infallible> {
         let path = req.uri().path();
         if !access::is_open_path(path) {
-            if let Err(refusal) = self.access.authenticate(req.headers()) {
-                self.metrics.record_unrouted(401);
+            if let Err(refusal) = self.access.authenticate(req.headers(), peer) {
+                if matches!(refusal, access::Refusal::Throttled(_)) {
+                    self.metrics.auth_throttled.fetch_add(1, Relaxed);
+                }
+                self.metrics.record_unrouted(refusal.status());
                 return Ok(access::refusal_response(&refusal));
             }
         }

@@ -45,12 +45,21 @@ fn s(p: &Path) -> &str {
 }
 
 async fn client(url: &str, token: Option<&str>) -> Client {
+    client_from(url, token, None).await
+}
+
+/// A client connecting from `local` (another loopback address: another peer to the server).
+async fn client_from(url: &str, token: Option<&str>, local: Option<&str>) -> Client {
     let options = ClientOptions {
         bearer_token: token.map(str::to_string),
+        local_address: local.map(|a| a.parse().unwrap()),
         ..ClientOptions::default()
     };
     Client::connect_with(url, options).await.unwrap()
 }
+
+/// Wrong credentials a peer may present before it is throttled (the next is refused).
+const FREE_FAILURES: usize = 6;
 
 fn code<T>(r: &Result<T, Error>) -> Code {
     match r {
@@ -188,15 +197,32 @@ async fn every_rpc_needs_a_token_and_a_reader_cannot_write() {
         ("wrong token", Some(WRONG)),
         ("reader token", Some(READER)),
     ] {
-        let c = client(&cp.url(), token).await;
-        for (rpc, writes, got) in call_every_rpc(&c, &instance.instance_id).await {
+        // Wrong tokens come from another address: that peer is throttled after a few, and
+        // the others are not.
+        let from = (token == Some(WRONG)).then_some("127.0.0.2");
+        let c = client_from(&cp.url(), token, from).await;
+        let answers = call_every_rpc(&c, &instance.instance_id).await;
+        let mut refused_as_guesses = 0;
+        for (rpc, writes, got) in &answers {
             let expected = match (token, writes) {
+                // The first few guesses are answered UNAUTHENTICATED, then the peer is refused.
+                (Some(WRONG), _) if *got == Code::Unavailable => {
+                    refused_as_guesses += 1;
+                    Code::Unavailable
+                }
                 (None, _) | (Some(WRONG), _) => Code::Unauthenticated,
                 (Some(_), true) => Code::PermissionDenied,
                 (Some(_), false) => Code::Ok,
             };
             table.push(format!("| {rpc} | {who} | {got:?} |"));
-            assert_eq!(got, expected, "{rpc} with {who}");
+            assert_eq!(*got, expected, "{rpc} with {who}");
+        }
+        if token == Some(WRONG) {
+            assert_eq!(
+                answers.len() - refused_as_guesses,
+                FREE_FAILURES,
+                "wrong tokens answered UNAUTHENTICATED before the peer was throttled"
+            );
         }
     }
     eprintln!(
@@ -222,6 +248,47 @@ async fn every_rpc_needs_a_token_and_a_reader_cannot_write() {
     assert!(admin.delete_endpoint("ep").await.is_ok());
 
     no_secrets("control-plane", &logs(&cp));
+}
+
+#[tokio::test]
+async fn a_peer_guessing_tokens_is_throttled_and_other_peers_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = write(dir.path(), "tokens", &format!("{ADMIN} admin\n"));
+    let data = dir.path().join("data");
+    let cp = ChildServer::start(
+        "control-plane",
+        &["--data-dir", s(&data), "--auth-token-file", s(&tokens)],
+    )
+    .unwrap();
+    let guesser = client_from(&cp.url(), Some(WRONG), Some("127.0.0.3")).await;
+    for i in 0..FREE_FAILURES {
+        let r = guesser.list_endpoints().await;
+        assert_eq!(code(&r), Code::Unauthenticated, "guess {i}");
+    }
+    let refused = guesser.list_endpoints().await.unwrap_err();
+    assert_eq!(refused.code(), Some(Code::Unavailable), "{refused}");
+    assert!(
+        refused
+            .to_string()
+            .contains("too many failed authentications"),
+        "{refused}"
+    );
+    // The guesser's address is refused even with the right token, for a while...
+    let same_peer = client_from(&cp.url(), Some(ADMIN), Some("127.0.0.3")).await;
+    assert_eq!(code(&same_peer.list_endpoints().await), Code::Unavailable);
+    // ...while the right token from any other address goes through at once.
+    let other = client_from(&cp.url(), Some(ADMIN), Some("127.0.0.4")).await;
+    assert!(other.list_endpoints().await.is_ok());
+    let usual = client(&cp.url(), Some(ADMIN)).await;
+    assert!(usual.list_endpoints().await.is_ok());
+    // Calls without a token are not guesses: never throttled.
+    let bare = client_from(&cp.url(), None, Some("127.0.0.5")).await;
+    for _ in 0..3 * FREE_FAILURES {
+        assert_eq!(code(&bare.list_endpoints().await), Code::Unauthenticated);
+    }
+    // The refusal ends: after the wait it names, the guesser's address is let in again.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert!(same_peer.list_endpoints().await.is_ok());
 }
 
 #[tokio::test]

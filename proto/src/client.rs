@@ -127,6 +127,8 @@ pub struct ClientOptions {
     pub bearer_token: Option<String>,
     /// How to reach an `https://` control plane.
     pub tls: TlsOptions,
+    /// The local address to connect from (a host with several; the system picks when `None`).
+    pub local_address: Option<std::net::IpAddr>,
 }
 
 impl Default for ClientOptions {
@@ -136,6 +138,7 @@ impl Default for ClientOptions {
             request_timeout: Duration::from_secs(30),
             bearer_token: None,
             tls: TlsOptions::default(),
+            local_address: None,
         }
     }
 }
@@ -381,7 +384,8 @@ impl Client {
 
     async fn connect_one(given: String, options: ClientOptions) -> Result<Self, Error> {
         let url = normalize_url(&given);
-        let endpoint = endpoint(&given, &url, &options.tls, options.connect_timeout)?;
+        let endpoint = endpoint(&given, &url, &options.tls, options.connect_timeout)?
+            .local_address(options.local_address);
         let channel = endpoint.connect().await.map_err(|e| Error::Unreachable {
             url: url.clone(),
             cause: format!("{}{}", error_chain(&e), plaintext_hint(&url)),
