@@ -288,10 +288,9 @@ mod tests {
         for _ in 0..=credentials::throttle::FREE_FAILURES {
             let _ = access.authenticate(&header("Bearer sk-guess"), guesser);
         }
-        let refused = access
-            .authenticate(&header("Bearer sk-good"), guesser)
-            .err()
-            .expect("throttled, even with the right key");
+        let Err(refused) = access.authenticate(&header("Bearer sk-good"), guesser) else {
+            panic!("throttled, even with the right key")
+        };
         let r = refusal_response(&refused);
         assert_eq!(r.status(), 429);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
