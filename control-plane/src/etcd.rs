@@ -170,6 +170,34 @@ fn unreachable(status: &tonic::Status) -> bool {
     status.code() == tonic::Code::Unavailable && std::error::Error::source(status).is_some()
 }
 
+/// Dials an etcd member's unix socket (an `unix:///PATH` endpoint).
+#[derive(Clone)]
+struct UnixConnector(std::path::PathBuf);
+
+impl tower_service::Service<http::Uri> for UnixConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Uri) -> Self::Future {
+        let path = self.0.clone();
+        Box::pin(async move {
+            tokio::net::UnixStream::connect(path)
+                .await
+                .map(hyper_util::rt::TokioIo::new)
+        })
+    }
+}
+
 /// The mirror of everything under the prefix, at `revision`.
 #[derive(Default)]
 struct Mirror {
@@ -651,8 +679,23 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
     if settings.endpoints.is_empty() {
         anyhow::bail!("--etcd-endpoints is empty");
     }
-    let mut endpoints = Vec::with_capacity(settings.endpoints.len());
+    let mut channels = Vec::with_capacity(settings.endpoints.len());
     for url in &settings.endpoints {
+        if let Some(path) = url.strip_prefix("unix://") {
+            // A member listening on a unix socket (`--listen-client-urls unix://...`): the
+            // connector dials the socket; the URI only fills the requests' :authority.
+            anyhow::ensure!(
+                path.starts_with('/'),
+                "bad --etcd-endpoints URL {url:?}: a unix socket needs an absolute path (unix:///PATH)"
+            );
+            let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+                .connect_timeout(Duration::from_secs(2))
+                .keep_alive_while_idle(true)
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(3));
+            channels.push(endpoint.connect_with_connector_lazy(UnixConnector(path.into())));
+            continue;
+        }
         let mut endpoint = tonic::transport::Endpoint::from_shared(url.clone())
             .with_context(|| format!("bad --etcd-endpoints URL {url:?}"))?;
         if let Some(tls) = settings
@@ -669,10 +712,10 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
             .keep_alive_while_idle(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
             .keep_alive_timeout(Duration::from_secs(3));
-        endpoints.push(endpoint);
+        channels.push(endpoint.connect_lazy());
     }
     let members = Arc::new(Members {
-        channels: endpoints.into_iter().map(|e| e.connect_lazy()).collect(),
+        channels,
         current: Default::default(),
         user: settings.user.clone(),
         token: Token::default(),

@@ -1,7 +1,9 @@
-//! A real etcd cluster on loopback for the tests: members started from the `etcd` binary (the
-//! distribution's `etcd-server` package), each with its own data dir, stoppable and restartable.
+//! A real etcd cluster for the tests: members started from the `etcd` binary (the distribution's
+//! `etcd-server` package), each with its own data dir, stoppable and restartable. Members talk to
+//! each other and to clients over unix sockets in the cluster's own directory (etcd 3.4 takes
+//! `unix://` client and peer URLs; it cannot listen on port 0 and report the port), so no test
+//! ever waits on a port another test took.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -20,85 +22,67 @@ pub fn available() -> Result<(), String> {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
 struct Member {
     name: String,
-    client: u16,
-    peer: u16,
     dir: PathBuf,
     child: Option<Child>,
 }
 
-/// An etcd cluster of `n` members on loopback; killed on drop.
+impl Member {
+    /// Its client URL as etcd takes it: a socket named `NAME.client:2379` in etcd's working
+    /// directory (etcd wants a port in every URL; for a unix socket it is part of the name).
+    fn client_url(&self) -> String {
+        format!("unix://{}.client:2379", self.name)
+    }
+
+    fn peer_url(&self) -> String {
+        format!("unix://{}.peer:2380", self.name)
+    }
+}
+
+/// An etcd cluster of `n` members; killed on drop.
 pub struct EtcdCluster {
     members: Vec<Member>,
     initial_cluster: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl EtcdCluster {
-    /// Starts `n` members and waits until the cluster answers. A cluster that does not (a port
-    /// chosen free was taken by a parallel test before its member bound it, and that member
-    /// exited) is stopped and started again on new ports, up to three times.
+    /// Starts `n` members and waits until every one reports itself healthy.
     pub async fn start(n: usize) -> Self {
-        for attempt in 1..=3 {
-            let cluster = Self::launch(n);
-            if cluster.healthy_within(Duration::from_secs(30)).await {
-                return cluster;
-            }
-            eprintln!("etcd cluster, attempt {attempt}: not healthy within 30 s; starting again on new ports");
-        }
-        panic!("timed out waiting for etcd to be healthy (3 attempts)");
-    }
-
-    fn launch(n: usize) -> Self {
         let dir = tempfile::tempdir().expect("a temp dir");
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
                 name: format!("m{i}"),
-                client: free_port(),
-                peer: free_port(),
                 dir: dir.path().join(format!("m{i}")),
                 child: None,
             })
             .collect();
         let initial_cluster = members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .map(|m| format!("{}={}", m.name, m.peer_url()))
             .collect::<Vec<_>>()
             .join(",");
         let mut cluster = EtcdCluster {
             members,
             initial_cluster,
-            _dir: dir,
+            dir,
         };
         for i in 0..n {
             cluster.start_member(i);
         }
+        cluster.wait_healthy().await;
         cluster
     }
 
-    /// Whether every running member reports itself healthy within `limit`.
-    async fn healthy_within(&self, limit: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + limit;
-        while tokio::time::Instant::now() < deadline {
-            if self.all_healthy().await {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        false
+    /// The unix socket of member `m`'s client URL.
+    fn client_socket(&self, m: &Member) -> PathBuf {
+        self.dir.path().join(format!("{}.client:2379", m.name))
     }
 
     async fn all_healthy(&self) -> bool {
         for m in self.members.iter().filter(|m| m.child.is_some()) {
-            if !healthy(m.client).await {
+            if !healthy(&self.client_socket(m)).await {
                 return false;
             }
         }
@@ -107,24 +91,30 @@ impl EtcdCluster {
 
     fn start_member(&mut self, i: usize) {
         let cluster = self.initial_cluster.clone();
+        let workdir = self.dir.path().to_path_buf();
         let m = &mut self.members[i];
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log_path(&m.dir))
             .ok();
+        let (client, peer) = (m.client_url(), m.peer_url());
+        // A restarted member finds its socket files left behind by the one killed.
+        let _ = std::fs::remove_file(workdir.join(client.trim_start_matches("unix://")));
+        let _ = std::fs::remove_file(workdir.join(peer.trim_start_matches("unix://")));
         let child = Command::new("etcd")
+            .current_dir(&workdir)
             .args(["--name", &m.name, "--data-dir"])
             .arg(&m.dir)
             .args([
                 "--listen-client-urls",
-                &format!("http://127.0.0.1:{}", m.client),
+                &client,
                 "--advertise-client-urls",
-                &format!("http://127.0.0.1:{}", m.client),
+                &client,
                 "--listen-peer-urls",
-                &format!("http://127.0.0.1:{}", m.peer),
+                &peer,
                 "--initial-advertise-peer-urls",
-                &format!("http://127.0.0.1:{}", m.peer),
+                &peer,
                 "--initial-cluster",
                 &cluster,
                 "--initial-cluster-state",
@@ -144,11 +134,11 @@ impl EtcdCluster {
         m.child = Some(child);
     }
 
-    /// The members' client URLs, comma-separated (for `--etcd-endpoints`).
+    /// The members' client URLs, comma-separated (for `--etcd-endpoints`): `unix:///PATH`.
     pub fn endpoints(&self) -> String {
         self.members
             .iter()
-            .map(|m| format!("http://127.0.0.1:{}", m.client))
+            .map(|m| format!("unix://{}", self.client_socket(m).display()))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -157,7 +147,7 @@ impl EtcdCluster {
     pub async fn leader(&self) -> Option<usize> {
         for (i, m) in self.members.iter().enumerate() {
             if m.child.is_some()
-                && get(m.client, "/metrics")
+                && get(&self.client_socket(m), "/metrics")
                     .await
                     .contains("\netcd_server_is_leader 1")
             {
@@ -196,12 +186,12 @@ fn log_path(dir: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// `GET path` on a member's client port: the whole reply, or "" if it does not answer.
-async fn get(port: u16, path: &str) -> String {
+/// `GET path` on a member's client socket: the whole reply, or "" if it does not answer.
+pub async fn get(socket: &Path, path: &str) -> String {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let Ok(Ok(mut s)) = tokio::time::timeout(
         Duration::from_secs(1),
-        tokio::net::TcpStream::connect(("127.0.0.1", port)),
+        tokio::net::UnixStream::connect(socket),
     )
     .await
     else {
@@ -216,9 +206,9 @@ async fn get(port: u16, path: &str) -> String {
     reply
 }
 
-/// `GET /health` on a member's client port says `"health":"true"`.
-async fn healthy(port: u16) -> bool {
-    get(port, "/health").await.contains(r#""health":"true""#)
+/// `GET /health` on a member's client socket says `"health":"true"`.
+pub async fn healthy(socket: &Path) -> bool {
+    get(socket, "/health").await.contains(r#""health":"true""#)
 }
 
 impl Drop for EtcdCluster {

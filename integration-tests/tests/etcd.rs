@@ -316,6 +316,19 @@ async fn a_change_computed_before_another_replicas_commit_reached_it_is_retried_
     })
     .await
     .unwrap();
+    // B's mirror has the config (through its watch) before the race is staged.
+    let b1 = b.clone();
+    wait_for("B to see the config", Duration::from_secs(10), || {
+        let b = b1.clone();
+        async move {
+            tokio::task::spawn_blocking(move || b.describe_config("cfg", None).ok())
+                .await
+                .ok()
+                .flatten()
+                .map(drop)
+        }
+    })
+    .await;
     // A's first commit waits while B commits revision 2 and A's mirror receives it: A computed
     // its change (revision 2 too) from the state before.
     let once = Arc::new(AtomicBool::new(false));
