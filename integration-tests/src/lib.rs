@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: start the real servers (in-process on
 //! `127.0.0.1:0`, or as child processes of the built binaries) and build API requests.
 
+pub mod contract;
 pub mod etcd;
 pub mod fault;
 
@@ -14,15 +15,21 @@ use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingS
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-/// Set to etcd client URLs, [`InProcessControlPlane`] keeps its state in etcd instead of sled
-/// (how `tests/etcd.rs` runs the control-plane contract suite a second time).
-pub const ETCD_SUITE_ENV: &str = "PREFIX_ROUTER_TEST_ETCD_ENDPOINTS";
+/// Where an [`InProcessControlPlane`] keeps its state.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// sled under the data dir.
+    Sled,
+    /// etcd at these client URLs (comma-separated), under a prefix named after the data dir (so
+    /// a restart on the same dir finds its state, as with sled).
+    Etcd(String),
+}
 
 /// A control plane running in this process on a loopback port.
 pub struct InProcessControlPlane {
     pub addr: SocketAddr,
     pub url: String,
-    /// Where `GET /metrics` is served, when started with [`Self::start_with_metrics`].
+    /// Where `GET /metrics` is served, when started with metrics ([`Self::start_on`]).
     pub metrics_addr: Option<SocketAddr>,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
@@ -30,19 +37,22 @@ pub struct InProcessControlPlane {
 
 impl InProcessControlPlane {
     pub async fn start(data_dir: &Path) -> Self {
-        Self::start_with_lease_check(data_dir, Duration::from_millis(1000)).await
-    }
-
-    pub async fn start_with_lease_check(data_dir: &Path, lease_check: Duration) -> Self {
-        Self::start_with(data_dir, lease_check, false).await
+        Self::start_on(&Backend::Sled, data_dir, Duration::from_millis(1000), false).await
     }
 
     /// Also serves Prometheus metrics (`--metrics-listen`) on a loopback port.
     pub async fn start_with_metrics(data_dir: &Path) -> Self {
-        Self::start_with(data_dir, Duration::from_millis(1000), true).await
+        Self::start_on(&Backend::Sled, data_dir, Duration::from_millis(1000), true).await
     }
 
-    async fn start_with(data_dir: &Path, lease_check: Duration, metrics: bool) -> Self {
+    /// A control plane over `backend`, checking leases every `lease_check`, serving Prometheus
+    /// metrics (`--metrics-listen`) on a loopback port of its own when `metrics`.
+    pub async fn start_on(
+        backend: &Backend,
+        data_dir: &Path,
+        lease_check: Duration,
+        metrics: bool,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind loopback");
@@ -57,10 +67,8 @@ impl InProcessControlPlane {
             None
         };
         let metrics_addr = metrics_listener.as_ref().map(|l| l.local_addr().unwrap());
-        let store = match std::env::var(ETCD_SUITE_ENV) {
-            // The contract suite on the etcd store: one prefix per data dir, so a restart on the
-            // same dir finds its state, as with sled.
-            Ok(endpoints) if !endpoints.is_empty() => {
+        let store = match backend {
+            Backend::Etcd(endpoints) => {
                 let prefix = format!(
                     "/suite/{:016x}/",
                     xxhash_rust::xxh3::xxh3_64(data_dir.as_os_str().as_encoded_bytes())
@@ -74,7 +82,7 @@ impl InProcessControlPlane {
                 .await
                 .expect("open the etcd store")
             }
-            _ => control_plane::open_store(data_dir).expect("open store"),
+            Backend::Sled => control_plane::open_store(data_dir).expect("open store"),
         };
         let (tx, rx) = oneshot::channel::<()>();
         let options = control_plane::ServeOptions {
@@ -99,7 +107,7 @@ impl InProcessControlPlane {
         }
     }
 
-    /// `GET /metrics` as text (panics unless started with [`Self::start_with_metrics`]).
+    /// `GET /metrics` as text (panics unless started with metrics).
     pub async fn metrics(&self) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let addr = self.metrics_addr.expect("started with metrics");

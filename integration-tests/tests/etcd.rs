@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use integration_tests::etcd::EtcdCluster;
-use integration_tests::{require_tool, variant, wait_for, ChildServer, ETCD_SUITE_ENV};
+use integration_tests::{require_tool, variant, wait_for, Backend, ChildServer};
 use proto::client::Client;
 use proto::RoutingStrategy;
 use tonic::Code;
@@ -558,66 +558,20 @@ async fn instance_leases_outlive_their_replica_and_expire_when_nobody_renews() {
     assert_eq!(e.code(), Some(Code::NotFound));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_control_plane_contract_suite_passes_on_etcd_too() {
+/// Runs a case of the control-plane contract suite on a fresh 3-member cluster.
+async fn on_etcd<F: std::future::Future<Output = ()>>(case: impl FnOnce(Backend) -> F) {
     if !etcd_here("etcd contract suite") {
         return;
     }
     let _serial = SERIAL.lock().await;
     let cluster = EtcdCluster::start(3).await;
-    // The suite's test binary, built beside this one by the same `cargo test` (the control-plane
-    // crate's own binaries share the name prefix: the suite is the one that lists its tests).
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let mut candidates: Vec<_> = std::fs::read_dir(&deps)
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            name.starts_with("control_plane-") && p.extension().is_none()
-        })
-        .collect();
-    candidates.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
-    let suite = candidates.into_iter().rev().find(|p| {
-        std::process::Command::new(p)
-            .args(["--list", "--format", "terse"])
-            .output()
-            .is_ok_and(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .contains("reconnect_with_current_version_gets_no_resend: test")
-            })
-    });
-    let Some(suite) = suite else {
-        panic!(
-            "the control_plane test binary is not built in {}",
-            deps.display()
-        );
-    };
-    let endpoints = cluster.endpoints();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(&suite)
-            .env(ETCD_SUITE_ENV, endpoints)
-            .output()
-    })
-    .await
-    .unwrap()
-    .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary = text
-        .lines()
-        .filter(|l| l.starts_with("test result"))
-        .collect::<Vec<_>>()
-        .join("\n");
-    eprintln!("control-plane suite on etcd: {summary}");
-    assert!(out.status.success(), "the suite failed on etcd:\n{text}");
+    case(Backend::Etcd(cluster.endpoints())).await
+}
+
+/// The control-plane contract suite ([`integration_tests::contract`]) on the etcd store.
+mod contract_on_etcd {
+    use super::on_etcd;
+    integration_tests::contract_suite!(on_etcd);
 }
 
 /// One etcd member on loopback with `extra` flags, its client URL `scheme://host:port`; killed
