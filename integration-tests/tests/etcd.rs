@@ -582,24 +582,24 @@ struct OneEtcd {
 }
 
 impl OneEtcd {
+    /// The peer URL is a unix socket beside `data`; the client URL a loopback port (etcd cannot
+    /// listen on port 0; the tests reach this member by host name, over TLS or with tonic's own
+    /// clients), picked free just before etcd binds it.
     fn start(data: &std::path::Path, scheme: &str, host: &str, extra: &[&str]) -> Self {
-        let free = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        };
-        let (client, peer) = (free(), free());
-        let peer_url = format!("http://127.0.0.1:{peer}");
+        let workdir = data.parent().unwrap().to_path_buf();
+        let peer_url = "unix://one.peer:2380".to_string();
+        let client = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listen = format!("{scheme}://127.0.0.1:{client}");
         let url = format!("{scheme}://{host}:{client}");
         let child = std::process::Command::new("etcd")
+            .current_dir(&workdir)
             .args(["--name", "one", "--data-dir"])
             .arg(data)
-            .args([
-                "--listen-client-urls",
-                &format!("{scheme}://127.0.0.1:{client}"),
-            ])
+            .args(["--listen-client-urls", &listen])
             .args(["--advertise-client-urls", &url])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
