@@ -116,17 +116,15 @@ struct LlamaServer {
 }
 
 impl LlamaServer {
-    /// One thread, one slot, flash attention off, `--cache-ram` MiB of prompt cache, metrics on.
+    /// One thread, one slot, flash attention off, `--cache-ram` MiB of prompt cache, metrics on,
+    /// on a port of its own choosing (`--port 0`; [`LlamaServer::started`] reads it from the log).
     fn start(bin: &Path, model: &Path, dir: &Path, cache_ram_mib: u32) -> Self {
-        // A free port: bound, read, released; llama-server binds it right after.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free loopback port")
-            .port();
-        let log = dir.join(format!("llama-server-{port}.log"));
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = dir.join(format!("llama-server-{n}.log"));
         let child = Command::new(bin)
             .args(["-m", model.to_str().unwrap(), "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string()])
+            .args(["--port", "0"])
             .args([
                 "-t", "1", "-tb", "1", "-np", "1", "-fa", "off", "-c", "4096",
             ])
@@ -138,8 +136,30 @@ impl LlamaServer {
             .expect("llama-server starts");
         LlamaServer {
             child,
-            url: format!("http://127.0.0.1:{port}"),
+            url: String::new(),
             log,
+        }
+    }
+
+    /// Waits (up to `limit`) for the `listening on http://HOST:PORT` line and keeps its URL.
+    async fn started(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            if let Some(url) = text
+                .lines()
+                .find_map(|l| l.split("listening on ").nth(1))
+                .map(|u| u.trim().trim_end_matches('/').to_string())
+            {
+                self.url = url;
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "llama-server did not say where it listens within {limit:?}; its log ends:\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -190,9 +210,12 @@ async fn start_fleet_with_cache(
     n: usize,
     cache_ram_mib: u32,
 ) -> Vec<LlamaServer> {
-    let servers: Vec<LlamaServer> = (0..n)
+    let mut servers: Vec<LlamaServer> = (0..n)
         .map(|_| LlamaServer::start(bin, model, dir, cache_ram_mib))
         .collect();
+    for s in &mut servers {
+        s.started(Duration::from_secs(60)).await;
+    }
     for s in &servers {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
