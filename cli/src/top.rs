@@ -37,7 +37,7 @@ const RULE_CLOSED: &str = "prefix_router_placement_rule_closed_total";
 
 /// Placement rules (the `decision` label of the token counters) in the data plane's order;
 /// others follow, sorted by name.
-const DECISION_ORDER: [&str; 10] = [
+const DECISION_ORDER: [&str; 11] = [
     "random",
     "least_outstanding",
     "prefix_hash",
@@ -48,6 +48,7 @@ const DECISION_ORDER: [&str; 10] = [
     "spill",
     "overload_bypass",
     "relief",
+    "home",
 ];
 
 /// Rule gates (the `rule` label) in the data plane's order: the variant's own gate first.

@@ -87,10 +87,13 @@ pub enum Rule {
     OverloadBypass = 8,
     /// PREFIX_AWARE: a key moved off an instance whose cache overflows ([`InstanceCache`]).
     Relief = 9,
+    /// PREFIX_AWARE: a reused key on the home its variant's occupancy gave it (not its
+    /// rendezvous top choice; see `placement::homes`).
+    Home = 10,
 }
 
 impl Rule {
-    pub const COUNT: usize = 10;
+    pub const COUNT: usize = 11;
     pub const ALL: [Rule; Rule::COUNT] = [
         Rule::Random,
         Rule::LeastOutstanding,
@@ -102,6 +105,7 @@ impl Rule {
         Rule::Spill,
         Rule::OverloadBypass,
         Rule::Relief,
+        Rule::Home,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -116,6 +120,7 @@ impl Rule {
             Rule::Spill => "spill",
             Rule::OverloadBypass => "overload_bypass",
             Rule::Relief => "relief",
+            Rule::Home => "home",
         }
     }
 

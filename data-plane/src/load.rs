@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
+
 use crate::feedback::{Feedback, InstanceCache};
 use crate::upstream::Pool;
 
@@ -229,6 +231,103 @@ impl ServedPrefixes {
     }
 }
 
+/// Slots of [`Homes`]' candidate table.
+const HOME_CANDIDATES: usize = 1024;
+
+/// PREFIX_AWARE's homes for a variant's reused keys (assigned by `placement::homes`): the keys
+/// this router placed most often (a direct-mapped table of key hashes: of two keys in one slot,
+/// the one with the higher recent count stays) and the last assignment of those keys to
+/// instances, swapped whole once per half-window. 1,024 x 8 bytes = 8 KiB of candidates per
+/// PREFIX_AWARE variant, plus at most as many assigned homes.
+pub struct Homes {
+    candidates: Box<[AtomicU64]>,
+    assignment: ArcSwap<Vec<Home>>,
+}
+
+/// One key's home: the instance's index in the variant when the home was assigned, and its id
+/// hash (a table with another instance set finds it again by the id, or not at all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Home {
+    pub key: u64,
+    pub index: u32,
+    pub id_hash: u64,
+}
+
+impl Home {
+    /// The home's index among `hashes` (the variant's instance id hashes), if it is still there.
+    #[inline]
+    pub fn locate(&self, hashes: &[u64]) -> Option<usize> {
+        let i = self.index as usize;
+        if hashes.get(i) == Some(&self.id_hash) {
+            Some(i)
+        } else {
+            hashes.iter().position(|&h| h == self.id_hash)
+        }
+    }
+}
+
+impl std::fmt::Debug for Homes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Homes")
+            .field("assigned", &self.assignment.load().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Homes {
+    fn default() -> Self {
+        Homes {
+            candidates: (0..HOME_CANDIDATES).map(|_| AtomicU64::new(0)).collect(),
+            assignment: ArcSwap::from_pointee(Vec::new()),
+        }
+    }
+}
+
+impl Homes {
+    /// Offers `key` (just counted in `rates`) as a candidate.
+    #[inline]
+    pub fn observe(&self, key: u64, e: Epoch, rates: &KeyRates) {
+        // bits the sketch's rows do not index by
+        let slot = &self.candidates[((key >> 48) as usize) % HOME_CANDIDATES];
+        let held = slot.load(Relaxed);
+        if held == key || key == 0 {
+            return;
+        }
+        if held == 0 || rates.value(held, e) < rates.value(key, e) {
+            slot.store(key, Relaxed);
+        }
+    }
+
+    /// The candidate keys (each at most once).
+    pub fn candidates(&self) -> impl Iterator<Item = u64> + '_ {
+        self.candidates
+            .iter()
+            .map(|c| c.load(Relaxed))
+            .filter(|&k| k != 0)
+    }
+
+    /// The key's home, if it has one.
+    #[inline]
+    pub fn get(&self, key: u64) -> Option<Home> {
+        let homes = self.assignment.load();
+        homes
+            .binary_search_by_key(&key, |h| h.key)
+            .ok()
+            .map(|i| homes[i])
+    }
+
+    /// The assignment in force (sorted by key).
+    pub fn assignment(&self) -> Arc<Vec<Home>> {
+        self.assignment.load_full()
+    }
+
+    /// Replaces the assignment; `homes` must be sorted by key.
+    pub fn store(&self, homes: Vec<Home>) {
+        debug_assert!(homes.windows(2).all(|w| w[0].key < w[1].key));
+        self.assignment.store(Arc::new(homes));
+    }
+}
+
 /// Load and passive-health state of one model-server instance.
 #[derive(Debug, Default)]
 pub struct InstanceState {
@@ -327,6 +426,7 @@ pub struct VariantLoad {
     /// What the engines' reports say of PREFIX_AWARE's rules on this variant.
     feedback: Feedback,
     served: OnceLock<ServedPrefixes>,
+    homes: OnceLock<Homes>,
 }
 
 /// What [`VariantLoad::record`] saw of one placed request.
@@ -336,6 +436,8 @@ pub struct Recorded {
     pub new_window: bool,
     /// A request with the same prefix finished on the same instance before.
     pub revisit: bool,
+    /// The request's number in the variant's sequence (0 for the router's first).
+    pub sequence: u64,
 }
 
 impl VariantLoad {
@@ -403,12 +505,15 @@ impl VariantLoad {
         self.recent.add(e);
         instance.recent.add(e);
         let rates = self.key_rates();
+        let homes = self.homes();
         for &k in keys {
             rates.add(k, e);
+            homes.observe(k, e, rates);
         }
         Recorded {
             new_window,
             revisit: self.served().contains(placed),
+            sequence,
         }
     }
 
@@ -437,6 +542,10 @@ impl VariantLoad {
 
     pub fn key_rates(&self) -> &KeyRates {
         self.keys.get_or_init(KeyRates::default)
+    }
+
+    pub fn homes(&self) -> &Homes {
+        self.homes.get_or_init(Homes::default)
     }
 }
 

@@ -14,6 +14,12 @@
 //! - **Affinity** (prefill): the prompt's key ([`crate::prompt`]) ranks the variant's instances
 //!   by rendezvous hashing ([`rendezvous`]): every replica sends the same prefix to the same
 //!   instance, and a join or leave of one of n instances moves about 1/(n+1) of the keys.
+//! - **Homes** (prefill, [`homes`]): rendezvous hashing is blind to what else an instance
+//!   holds, and with few popular prefixes it leaves one instance crowded and another idle. Once
+//!   per half-window the keys this router placed often are counted onto instances in hash order;
+//!   a key whose top choice holds clearly more of them than the emptiest of its first three gets
+//!   that one as its home and goes there instead. The pass depends only on the set of reused
+//!   keys, so replicas agree.
 //! - **Hot-key replicas** (queueing): each router estimates, over its last 2,048-4,096 requests
 //!   to the variant ([`crate::load::KeyRates`]), every key's share. A key with share `s` of n
 //!   instances is hot when `s * n >= hot_share`; it is served by its first
@@ -54,6 +60,7 @@ use crate::prompt::{deep_prompt_key, find_model, prompt_key, seed_for, BodyKind}
 use crate::table::{Endpoint, RoutingTable, Strategy, Variant};
 
 mod basic;
+mod homes;
 mod prefix_aware;
 mod rendezvous;
 mod reweigh;
@@ -62,6 +69,7 @@ mod tuning;
 pub use basic::{least_loaded, random};
 pub use prefix_aware::WIDE_REPLICAS;
 use prefix_aware::{share, Conversation};
+use homes::assign_homes;
 use rendezvous::fmix64;
 pub use rendezvous::{rendezvous_score, rendezvous_top, RendezvousWalk};
 use reweigh::reweigh;
@@ -289,6 +297,9 @@ impl Placement {
             revisit = recorded.revisit;
             if recorded.new_window {
                 reweigh(variant, &self.tuning);
+            }
+            if recorded.new_window || self.tuning.home_early.contains(&(recorded.sequence + 1)) {
+                assign_homes(variant, &self.tuning);
             }
         }
         Ok(Route {

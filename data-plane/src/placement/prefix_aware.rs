@@ -153,10 +153,12 @@ impl Placement {
                 return Some((i, d, Rule::HotReplica));
             }
         } else {
-            let first = if feedback.allows(Rule::Reweighed, now) {
-                weighted_first(v, key, top)
-            } else {
-                top
+            // A reused key's home (see [`super::homes`]), else its (weighted) top choice.
+            let home = v.load().homes().get(key).and_then(|h| h.locate(hashes));
+            let first = match home {
+                Some(h) => h,
+                None if feedback.allows(Rule::Reweighed, now) => weighted_first(v, key, top),
+                None => top,
             };
             // A key whose instance's cache overflows, among the share of its keys it sheds: the
             // instance it was moved to before (the prefix index remembers it) while that one's
@@ -189,7 +191,9 @@ impl Placement {
             // loaded of that instance and the next in the key's ranking: otherwise a key that a
             // router happens to estimate as cold keeps its whole share on one busy instance
             // until re-weighing moves it.
+            // (A key with a home was placed by shares already.)
             if t.spread > 0.0
+                && home.is_none()
                 && key_share * n as f64 >= t.warm_share
                 && ok(first)
                 && feedback.allows(Rule::WarmMove, now)
@@ -213,6 +217,8 @@ impl Placement {
             if ok(first) {
                 let rule = if first == top {
                     Rule::PrefixHash
+                } else if home.is_some() {
+                    Rule::Home
                 } else {
                     Rule::Reweighed
                 };

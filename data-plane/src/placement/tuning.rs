@@ -37,6 +37,21 @@ pub struct Tuning {
     pub dead_zone: f64,
     /// Exponent of each re-weighing step: `w *= (fair / share) ^ gain`.
     pub gain: f64,
+    /// A reused key's home (see [`crate::placement`]'s homes) is one of this many of its first
+    /// rendezvous instances.
+    pub home_choices: usize,
+    /// A key gets a home when its share of the variant's recent requests times the instance
+    /// count reaches this...
+    pub home_share: f64,
+    /// ...and this router placed it at least this many times in the window (a conversation's
+    /// two turns are no reason to move it).
+    pub home_min_requests: f64,
+    /// A key leaves its top choice for a home only when the top choice holds more than this
+    /// times the mean number of reused keys per instance (and at least one) more than the home.
+    pub home_slack: f64,
+    /// Besides at every half-window, a router assigns homes when its request count in the
+    /// variant reaches each of these (a fresh router learns them in its first seconds).
+    pub home_early: [u64; 2],
     /// When the engines' reports close a rule (see [`crate::feedback`]).
     pub feedback: FeedbackTuning,
 }
@@ -60,6 +75,11 @@ impl Default for Tuning {
             max_weight: 4.0,
             dead_zone: 0.004,
             gain: 0.5,
+            home_choices: 3,
+            home_share: 1.0 / 32.0,
+            home_min_requests: 4.0,
+            home_slack: 0.5,
+            home_early: [64, 256],
             feedback: FeedbackTuning::default(),
         }
     }
