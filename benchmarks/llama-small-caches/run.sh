@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Real engines with small caches (BENCHMARKS.md): each run on a freshly started fleet of 4 CPU
+# llama-servers whose 4 MiB prompt caches hold 3 of the 8 documents, against the best peers in
+# the same session.
+#   benchmarks/llama-small-caches/run.sh ROLE SEED LABEL...   (ROLE user|system; LABEL PA, PA4, RANDOM, SMG, SGL)
+# PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$here/../.."
+role="$1"; seed="$2"; shift 2
+prefixctl="${PREFIXCTL:-$root/target/release/prefixctl}"
+out="${OUT:-$here}"
+mkdir -p "$out"
+fleet="$root/scripts/llama-server/fleet.sh"
+for label in "$@"; do
+  "$fleet" stop
+  engines="$(CACHE_RAM_MIB=4 "$fleet" start 4 8001)"
+  common=(bench --engines "$engines" --workload long-context --cache-regime small --document-role "$role"
+    --token-scale 0.1 --prefix-length 1024 --concurrency 4 --warmup 20 --duration 40 --seed "$seed"
+    --out "$out/$role-s$seed-$label.json")
+  peer=()
+  case "$label" in
+    PA) "$prefixctl" "${common[@]}" --strategies PREFIX_AWARE ;;
+    PA4) "$prefixctl" "${common[@]}" --strategies PREFIX_AWARE --routers 4 ;;
+    RANDOM) "$prefixctl" "${common[@]}" --strategies RANDOM ;;
+    SMG|SGL)
+      urls="${engines//,/ }"
+      if [[ "$label" == SMG ]]; then
+        smg launch --policy cache_aware --host 127.0.0.1 --port 30000 --worker-urls $urls >/tmp/peer-router.log 2>&1 &
+      else
+        python3 -m sglang_router.launch_router --policy cache_aware --host 127.0.0.1 --port 30000 --worker-urls $urls >/tmp/peer-router.log 2>&1 &
+      fi
+      peer=($!)
+      for _ in $(seq 1 100); do curl -fs http://127.0.0.1:30000/health >/dev/null 2>&1 && break; sleep 0.3; done
+      "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:30000 --router-label "$label"
+      kill "${peer[0]}"; wait "${peer[0]}" 2>/dev/null || true
+      ;;
+    *) echo "unknown label $label" >&2; exit 2 ;;
+  esac
+done
+"$fleet" stop
