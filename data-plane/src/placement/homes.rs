@@ -65,76 +65,52 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     // that clear the bars rarely does).
     keys.sort_unstable_by_key(|&(_, k)| k);
     let spread = load.feedback().allows(Rule::HotReplica, now_ms());
-    let replicas = |s: f64| {
-        if spread {
+    let mut held = vec![0u32; n];
+    let slack = (t.home_slack * keys.len() as f64 / n as f64).max(1.0);
+    let mut out = Vec::new();
+    for &(s, key) in &keys {
+        let r = if spread {
             t.replicas(s, n)
         } else {
             t.least_replicas(s, n)
-        }
-    };
-    // Room per instance: the mean number of copies (a key spread over r replicas is r), plus
-    // `home_slack` standard deviations of what hashing alone would give (about the root of the
-    // mean): 8 documents and a replica on 4 instances get 3 each, 80 on 7 get 14.
-    let copies: usize = keys.iter().map(|&(s, _)| replicas(s)).sum();
-    let mean = copies as f64 / n as f64;
-    let room = (mean + t.home_slack * mean.sqrt()).ceil() as u32;
-    let fair = 1.0 / n as f64;
-    let past = |a: f64, s: f64| a + s > fair * (1.0 + t.home_rate_slack);
-    let mut held = vec![0u32; n];
-    let mut assigned = vec![0.0f64; n];
-    let mut out = Vec::new();
-    for &(s, key) in &keys {
-        let r = replicas(s);
+        };
         let (top, score) = rendezvous_top(hashes, key);
-        let ranking = std::iter::once(top).chain(RendezvousWalk::new(hashes, key, top, score));
+        let mut ranking = std::iter::once(top).chain(RendezvousWalk::new(hashes, key, top, score));
         if r > 1 {
             // spread over replicas: it takes room in each
-            ranking.take(r).for_each(|i| {
-                held[i] += 1;
-                assigned[i] += s / r as f64;
-            });
+            ranking.take(r).for_each(|i| held[i] += 1);
             continue;
         }
-        let choices: Vec<usize> = ranking.take(t.home_choices.max(1)).collect();
-        let open = |j: usize, held: &[u32]| held[j] < room;
-        // a home is kept while it has room (moving back would be a move too)
-        let kept = previous
-            .get(&key)
-            .and_then(|h| h.locate(hashes))
-            .filter(|&h| h != top && choices.contains(&h) && open(h, &held));
-        // The top choice is full, or the key would take its traffic past a fair share by more
-        // than `home_rate_slack` while another choice with room would stay under: the choice
-        // with room that is least past a fair share, then the least loaded, then the emptiest.
-        let leave = !open(top, &held)
-            || (past(assigned[top], s)
-                && choices
-                    .iter()
-                    .any(|&j| j != top && open(j, &held) && !past(assigned[j], s)));
-        let home = kept.or_else(|| {
-            leave
-                .then(|| {
-                    choices
-                        .iter()
-                        .copied()
-                        .filter(|&j| j != top && open(j, &held))
-                        .min_by(|&a, &b| {
-                            (past(assigned[a], s), assigned[a], held[a])
-                                .partial_cmp(&(past(assigned[b], s), assigned[b], held[b]))
-                                .unwrap_or(std::cmp::Ordering::Equal)
-                        })
-                })
-                .flatten()
-        });
-        let at = home.unwrap_or(top);
-        held[at] += 1;
-        assigned[at] += s;
-        if let Some(h) = home {
-            out.push(Home {
-                key,
-                index: h as u32,
-                id_hash: hashes[h],
-            });
+        ranking.next();
+        // a home is kept while it is no more crowded than the top choice (moving back would
+        // be a move too)
+        if let Some(h) = previous.get(&key).and_then(|h| h.locate(hashes)) {
+            if h != top && held[h] <= held[top] {
+                held[h] += 1;
+                out.push(Home {
+                    key,
+                    index: h as u32,
+                    id_hash: hashes[h],
+                });
+                continue;
+            }
         }
+        let mut best = top;
+        for i in ranking.take(t.home_choices.saturating_sub(1)) {
+            if held[i] < held[best] {
+                best = i;
+            }
+        }
+        if held[top] as f64 <= held[best] as f64 + slack {
+            held[top] += 1;
+            continue;
+        }
+        held[best] += 1;
+        out.push(Home {
+            key,
+            index: best as u32,
+            id_hash: hashes[best],
+        });
     }
     out.sort_unstable_by_key(|h| h.key);
     tracing::debug!(
@@ -142,7 +118,6 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         reused = keys.len(),
         homes = out.len(),
         ?held,
-        ?assigned,
         "homes assigned"
     );
     homes.store(out);

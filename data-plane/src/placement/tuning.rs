@@ -49,9 +49,6 @@ pub struct Tuning {
     /// A key leaves its top choice for a home only when the top choice holds more than this
     /// times the mean number of reused keys per instance (and at least one) more than the home.
     pub home_slack: f64,
-    /// ...or when the key would take the top choice's traffic (the shares the pass assigned it)
-    /// past a fair share by more than this fraction, while another choice would stay under.
-    pub home_rate_slack: f64,
     /// Besides at every half-window, a router assigns homes when its request count in the
     /// variant reaches each of these (a fresh router learns them in its first seconds).
     pub home_early: [u64; 2],
@@ -78,11 +75,10 @@ impl Default for Tuning {
             max_weight: 4.0,
             dead_zone: 0.004,
             gain: 0.5,
-            home_choices: 4,
+            home_choices: 3,
             home_share: 1.0 / 32.0,
             home_min_requests: 4.0,
             home_slack: 0.5,
-            home_rate_slack: 0.2,
             home_early: [64, 256],
             feedback: FeedbackTuning::default(),
         }
