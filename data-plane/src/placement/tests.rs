@@ -817,8 +817,12 @@ fn user_document(d: usize, question: usize) -> Vec<u8> {
 }
 
 fn prefix_aware_table(n: usize) -> RoutingTable {
-    let a = addrs(n);
-    let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+    prefix_aware_table_at(&addrs(n))
+}
+
+/// A PREFIX_AWARE variant over `addresses` (prefix_length 1,024, concurrency_threshold 64).
+fn prefix_aware_table_at(addresses: &[String]) -> RoutingTable {
+    let a: Vec<&str> = addresses.iter().map(|s| s.as_str()).collect();
     let mut v = variant("v1", RoutingStrategy::PrefixAware, &a);
     let pa = v
         .routing_config
@@ -849,25 +853,13 @@ fn serve(
     capacity: usize,
     skip: usize,
 ) -> Served {
-    serve_paced(p, t, stream, body, capacity, skip, 0)
+    serve_by(&[(p, t)], stream, body, capacity, skip, 0)
 }
 
-/// [`serve`], with the reports' clock advancing `ms_per_request` per request (the gates' strikes
-/// escalate by the minute).
-fn serve_paced(
-    p: &Placement,
-    t: &RoutingTable,
-    stream: &[usize],
-    body: impl Fn(usize, usize) -> Vec<u8>,
-    capacity: usize,
-    skip: usize,
-    ms_per_request: u64,
-) -> Served {
-    serve_by(&[(p, t)], stream, body, capacity, skip, ms_per_request)
-}
-
-/// [`serve_paced`] through several routers (each its own placement and table of the same
-/// fleet), request `i` through router `i % routers.len()`, in front of the same engines.
+/// [`serve`] through several routers (each its own placement and table of the same fleet),
+/// request `i` through router `i % routers.len()`, in front of the same engines, with the
+/// reports' clock advancing `ms_per_request` per request (the gates' strikes escalate by the
+/// minute).
 fn serve_by(
     routers: &[(&Placement, &RoutingTable)],
     stream: &[usize],
@@ -1099,9 +1091,8 @@ fn an_instance_given_more_documents_than_its_cache_holds_sheds_some_to_one_with_
         .map(|(i, _)| (i * 5 + i / 8) % 8)
         .collect();
     // 20 requests a second: 6,000 take five minutes
-    let served = serve_paced(
-        &p,
-        &t,
+    let served = serve_by(
+        &[(&p, &t)],
         &stream,
         |d, q| user_document(docs[d], q),
         3,
@@ -1120,22 +1111,13 @@ fn an_instance_given_more_documents_than_its_cache_holds_sheds_some_to_one_with_
     assert!(cache.gate().closings() >= 1 && cache.has_room());
 }
 
+/// A PREFIX_AWARE variant of `n` instances whose addresses (and so whose rendezvous ranking)
+/// differ by `fleet`.
 fn fleet_table(fleet: usize, n: usize) -> RoutingTable {
     let a: Vec<String> = (0..n)
         .map(|i| format!("http://10.0.{fleet}.{i}:8000"))
         .collect();
-    let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
-    let mut v = variant("v1", RoutingStrategy::PrefixAware, &a);
-    let pa = v
-        .routing_config
-        .as_mut()
-        .unwrap()
-        .prefix_aware_routing_config
-        .as_mut()
-        .unwrap();
-    pa.prefix_length = 1024;
-    pa.concurrency_threshold = 64;
-    RoutingTable::try_from(table(1, "e", vec![v])).unwrap()
+    prefix_aware_table_at(&a)
 }
 
 /// Documents per instance (served there after the warm-up).
