@@ -67,9 +67,9 @@ mod reweigh;
 mod tuning;
 
 pub use basic::{least_loaded, random};
+use homes::assign_homes;
 pub use prefix_aware::WIDE_REPLICAS;
 use prefix_aware::{share, Conversation};
-use homes::assign_homes;
 use rendezvous::fmix64;
 pub use rendezvous::{rendezvous_score, rendezvous_top, RendezvousWalk};
 use reweigh::reweigh;

@@ -1173,7 +1173,11 @@ fn routers_that_each_see_part_of_the_traffic_agree_on_homes() {
         let routers: Vec<(&Placement, &RoutingTable)> = placements.iter().zip(&tables).collect();
         let stream = zipf_stream(8, 8_000, 1);
         let served = serve_by(&routers, &stream, user_document, 3, 4_000, 0);
-        assert!(served.hit_rate >= 0.9, "fleet {fleet}: hit {}", served.hit_rate);
+        assert!(
+            served.hit_rate >= 0.9,
+            "fleet {fleet}: hit {}",
+            served.hit_rate
+        );
         // a document on two instances is a copy: only the hottest (1.2 instances' worth) has one
         let copies = served.used.iter().filter(|s| s.len() > 1).count();
         assert!(copies <= 1, "fleet {fleet}: {:?}", served.used);
@@ -1191,7 +1195,10 @@ fn routers_that_each_see_part_of_the_traffic_agree_on_homes() {
                 h
             })
             .collect();
-        assert!(!homes[0].is_empty(), "fleet {fleet}: hashing alone was uneven here");
+        assert!(
+            !homes[0].is_empty(),
+            "fleet {fleet}: hashing alone was uneven here"
+        );
         for h in &homes[1..] {
             assert_eq!(h, &homes[0], "fleet {fleet}");
         }
