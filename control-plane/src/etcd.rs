@@ -170,9 +170,9 @@ fn unreachable(status: &tonic::Status) -> bool {
     status.code() == tonic::Code::Unavailable && std::error::Error::source(status).is_some()
 }
 
-/// Dials an etcd member's unix socket (an `unix:///PATH` endpoint).
+/// Dials an etcd member's unix socket (an `unix:///PATH` or `unixs:///PATH` endpoint).
 #[derive(Clone)]
-struct UnixConnector(std::path::PathBuf);
+pub struct UnixConnector(pub std::path::PathBuf);
 
 impl tower_service::Service<http::Uri> for UnixConnector {
     type Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>;
@@ -681,14 +681,35 @@ pub async fn open(settings: &EtcdSettings) -> anyhow::Result<EtcdStore> {
     }
     let mut channels = Vec::with_capacity(settings.endpoints.len());
     for url in &settings.endpoints {
-        if let Some(path) = url.strip_prefix("unix://") {
-            // A member listening on a unix socket (`--listen-client-urls unix://...`): the
-            // connector dials the socket; the URI only fills the requests' :authority.
+        let unix = match url.strip_prefix("unixs://") {
+            Some(path) => Some((path, true)),
+            None => url.strip_prefix("unix://").map(|path| (path, false)),
+        };
+        if let Some((path, secure)) = unix {
+            // A member listening on a unix socket (`--listen-client-urls unix://...`, or
+            // `unixs://...` with TLS): the connector dials the socket; the URI only fills the
+            // requests' :authority and, with TLS, names the server the certificate must name
+            // (localhost).
             anyhow::ensure!(
                 path.starts_with('/'),
-                "bad --etcd-endpoints URL {url:?}: a unix socket needs an absolute path (unix:///PATH)"
+                "bad --etcd-endpoints URL {url:?}: a unix socket needs an absolute path (unix:///PATH or unixs:///PATH)"
             );
-            let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+            let mut endpoint = tonic::transport::Endpoint::from_static(if secure {
+                "https://localhost"
+            } else {
+                "http://localhost"
+            });
+            if secure {
+                let tls = settings
+                    .tls
+                    .for_url("https://localhost")
+                    .with_context(|| format!("etcd endpoint {url}"))?
+                    .with_context(|| format!("no TLS settings for etcd endpoint {url}"))?;
+                endpoint = endpoint
+                    .tls_config(tls)
+                    .with_context(|| format!("TLS settings for etcd endpoint {url}"))?;
+            }
+            let endpoint = endpoint
                 .connect_timeout(Duration::from_secs(2))
                 .keep_alive_while_idle(true)
                 .http2_keep_alive_interval(Duration::from_secs(5))

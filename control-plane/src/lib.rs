@@ -55,7 +55,7 @@ pub struct Config {
     pub data_dir: PathBuf,
     /// Keep the state in etcd instead of sled, so that several control-plane replicas share it:
     /// comma-separated client URLs of the etcd members (e.g. http://a:2379,http://b:2379, or
-    /// unix:///PATH for a member on a unix socket).
+    /// unix:///PATH for a member on a unix socket, unixs:///PATH with TLS).
     #[arg(long, value_name = "URL,URL,...", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
     /// Key prefix of this control plane's state in etcd.

@@ -574,33 +574,29 @@ mod contract_on_etcd {
     integration_tests::contract_suite!(on_etcd);
 }
 
-/// One etcd member on loopback with `extra` flags, its client URL `scheme://host:port`; killed
-/// on drop.
+/// One etcd member with `extra` flags, on unix sockets beside `data` (no port is picked): its
+/// client URL is `unix:///PATH` (`unixs:///PATH` with `scheme` "https"); killed on drop.
 struct OneEtcd {
     child: std::process::Child,
     url: String,
+    socket: std::path::PathBuf,
 }
 
 impl OneEtcd {
-    /// The peer URL is a unix socket beside `data`; the client URL a loopback port (etcd cannot
-    /// listen on port 0; the tests reach this member by host name, over TLS or with tonic's own
-    /// clients), picked free just before etcd binds it.
-    fn start(data: &std::path::Path, scheme: &str, host: &str, extra: &[&str]) -> Self {
+    fn start(data: &std::path::Path, scheme: &str, extra: &[&str]) -> Self {
         let workdir = data.parent().unwrap().to_path_buf();
         let peer_url = "unix://one.peer:2380".to_string();
-        let client = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let listen = format!("{scheme}://127.0.0.1:{client}");
-        let url = format!("{scheme}://{host}:{client}");
+        let unix = if scheme == "https" { "unixs" } else { "unix" };
+        // etcd takes a unix URL's host and port as the socket's name in its working directory
+        let client = format!("{unix}://one.client:2379");
+        let socket = workdir.join("one.client:2379");
+        let url = format!("{unix}://{}", socket.display());
         let child = std::process::Command::new("etcd")
             .current_dir(&workdir)
             .args(["--name", "one", "--data-dir"])
             .arg(data)
-            .args(["--listen-client-urls", &listen])
-            .args(["--advertise-client-urls", &url])
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("one={peer_url}")])
@@ -609,7 +605,15 @@ impl OneEtcd {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        OneEtcd { child, url }
+        OneEtcd { child, url, socket }
+    }
+
+    /// A plain gRPC channel to the member's client socket.
+    async fn channel(&self) -> Option<tonic::transport::Channel> {
+        tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(control_plane::etcd::UnixConnector(self.socket.clone()))
+            .await
+            .ok()
     }
 }
 
@@ -666,7 +670,6 @@ async fn the_control_plane_reaches_etcd_over_mutual_tls() {
     let etcd = OneEtcd::start(
         &dir.path().join("data"),
         "https",
-        "localhost",
         &[
             "--cert-file",
             &s(&cert),
@@ -733,13 +736,12 @@ async fn the_control_plane_logs_in_to_an_etcd_with_authentication_and_writes_pas
     let etcd = OneEtcd::start(
         &dir.path().join("data"),
         "http",
-        "127.0.0.1",
         &["--auth-token", "simple", "--auth-token-ttl", "2"],
     );
     let url = etcd.url.clone();
     let password = "s3cret-etcd-pw";
     let mut auth = wait_for("etcd to answer", Duration::from_secs(20), || async {
-        AuthClient::connect(url.clone()).await.ok()
+        etcd.channel().await.map(AuthClient::new)
     })
     .await;
     auth.role_add(AuthRoleAddRequest {

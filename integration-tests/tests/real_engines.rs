@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -24,7 +24,7 @@ use integration_tests::{variant, wait_for, InProcessControlPlane};
 use proto::RoutingStrategy;
 
 /// The tests share two cores: one fleet of llama-servers at a time.
-static ONE_FLEET: Mutex<()> = Mutex::new(());
+static ONE_FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -417,7 +417,7 @@ fn document(seed: u64, chars: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_aware_places_a_shared_prefix_on_one_llama_server_and_its_cache_serves_it() {
-    let _one = ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_FLEET.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let Some((bin, model)) = prerequisites("real_engines::prefix_aware", dir.path()) else {
         return;
@@ -564,7 +564,7 @@ async fn prefix_aware_places_a_shared_prefix_on_one_llama_server_and_its_cache_s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_engines_reads_llama_server_counters_and_prefix_aware_raises_the_hit_rate() {
-    let _one = ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_FLEET.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let Some((bin, model)) = prerequisites("real_engines::bench_engines", dir.path()) else {
         return;
@@ -733,7 +733,7 @@ async fn documents_as_system_messages_stay_on_few_llama_servers_whose_caches_are
     // the slot: the fleet holds every document once, not everywhere. Spreading popular documents
     // or deepening their head makes every engine cycle through all six and evict; the engines'
     // own reports must stop that. Judged by the engines' own counters, against RANDOM.
-    let _one = ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_FLEET.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let Some((bin, model)) = prerequisites("real_engines::small_caches", dir.path()) else {
         return;
