@@ -420,15 +420,27 @@ impl Store {
     }
 
     /// Runs a change, again from its reads when another replica committed first (its reads
-    /// brought up to date in between). Call with the write lock held.
+    /// brought up to date in between). A change refused for what its reads did not find (or
+    /// found) is read again once from reads brought up to date: this replica's reads may not
+    /// show yet a commit another replica acknowledged (a config created through one replica and
+    /// updated at once through another). Call with the write lock held.
     fn mutate<T>(
         &self,
         mut change: impl FnMut() -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        let mut synced = false;
         for _ in 0..COMMIT_ATTEMPTS {
             *self.change_from.lock().unwrap_or_else(|p| p.into_inner()) = self.backend.begin();
             match change() {
                 Err(StoreError::Conflict) => self.backend.sync()?,
+                Err(
+                    StoreError::NotFound { .. }
+                    | StoreError::AlreadyExists { .. }
+                    | StoreError::VariantNotFound { .. },
+                ) if !synced => {
+                    synced = true;
+                    self.backend.sync()?;
+                }
                 other => return other,
             }
         }
@@ -1053,5 +1065,109 @@ impl Store {
     /// Flushes to disk (each change already does; this is for shutdown).
     pub fn flush(&self) -> Result<(), StoreError> {
         self.backend.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    type Keys = BTreeMap<(TreeId, Vec<u8>), Vec<u8>>;
+
+    /// A replica's view of a shared store that lags behind the other replicas' commits until it
+    /// syncs (as an etcd mirror fed by a watch does): commits compare against the shared commit
+    /// count, as etcd's compare-and-swap does.
+    struct Lagging {
+        shared: Arc<Mutex<(u64, Keys)>>,
+        view: Mutex<(u64, Keys)>,
+    }
+
+    impl Lagging {
+        fn replicas(n: usize) -> Vec<Lagging> {
+            let shared = Arc::new(Mutex::new((0, Keys::new())));
+            (0..n)
+                .map(|_| Lagging {
+                    shared: shared.clone(),
+                    view: Mutex::new((0, Keys::new())),
+                })
+                .collect()
+        }
+    }
+
+    impl Backend for Lagging {
+        fn get(&self, tree: TreeId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            Ok(self
+                .view
+                .lock()
+                .unwrap()
+                .1
+                .get(&(tree, key.to_vec()))
+                .cloned())
+        }
+        fn scan(&self, tree: TreeId, prefix: &[u8]) -> Result<Entries, StoreError> {
+            let view = self.view.lock().unwrap();
+            Ok(view
+                .1
+                .range((tree, prefix.to_vec())..)
+                .take_while(|((t, k), _)| *t == tree && k.starts_with(prefix))
+                .map(|((_, k), v)| (k.clone(), v.clone()))
+                .collect())
+        }
+        fn begin(&self) -> ReadMark {
+            ReadMark(self.view.lock().unwrap().0)
+        }
+        fn commit(&self, from: ReadMark, ops: &[Op]) -> Result<(), StoreError> {
+            let mut shared = self.shared.lock().unwrap();
+            if shared.0 != from.0 {
+                return Err(StoreError::Conflict);
+            }
+            for op in ops {
+                match op {
+                    Op::Put(t, k, v) => shared.1.insert((*t, k.clone()), v.clone()),
+                    Op::Del(t, k) => shared.1.remove(&(*t, k.clone())),
+                };
+            }
+            shared.0 += 1;
+            // a replica reads its own writes
+            *self.view.lock().unwrap() = shared.clone();
+            Ok(())
+        }
+        fn sync(&self) -> Result<(), StoreError> {
+            *self.view.lock().unwrap() = self.shared.lock().unwrap().clone();
+            Ok(())
+        }
+        fn flush(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    fn variants(weight: f32) -> Vec<ProductionVariant> {
+        vec![ProductionVariant {
+            variant_name: "v1".into(),
+            model_name: "m".into(),
+            initial_variant_weight: Some(weight),
+            instances: vec!["http://127.0.0.1:9".into()],
+            ..Default::default()
+        }]
+    }
+
+    #[test]
+    fn a_config_created_through_one_replica_updates_at_once_through_another() {
+        let mut backends = Lagging::replicas(2).into_iter();
+        let a = Store::with_backend(Box::new(backends.next().unwrap())).unwrap();
+        let b = Store::with_backend(Box::new(backends.next().unwrap())).unwrap();
+        a.create_config("cfg", &variants(1.0)).unwrap();
+        // b's reads do not show the create yet: the update must not answer NOT_FOUND
+        let (updated, _) = b.update_config("cfg", &variants(2.0), None).unwrap();
+        assert_eq!(updated.revision, 2);
+        // and the other way round: a create of a name another replica holds is refused
+        let Err(StoreError::AlreadyExists { .. }) = b.create_config("cfg", &variants(3.0)) else {
+            panic!("a second create of cfg was not refused")
+        };
+        // a name nobody created is still not found
+        let Err(StoreError::NotFound { .. }) = b.update_config("nope", &variants(1.0), None) else {
+            panic!("an update of a config nobody created did not answer NOT_FOUND")
+        };
     }
 }

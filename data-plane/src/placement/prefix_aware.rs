@@ -191,7 +191,7 @@ impl Placement {
             // loaded of that instance and the next in the key's ranking: otherwise a key that a
             // router happens to estimate as cold keeps its whole share on one busy instance
             // until re-weighing moves it.
-            // (A key with a home was placed by shares already.)
+            // (A key with a home was placed by the homes pass; a warm move would move it twice.)
             if t.spread > 0.0
                 && home.is_none()
                 && key_share * n as f64 >= t.warm_share
