@@ -1244,6 +1244,9 @@ struct LocalPod {
     name: String,
     workload: usize,
     ports: BTreeMap<u16, u16>,
+    /// The loopback ports' listeners, held until just before the pod starts (so that nothing
+    /// else takes a port while the pods before it start and pass their probes).
+    held: Vec<std::net::TcpListener>,
     dir: std::path::PathBuf,
     child: Option<std::process::Child>,
 }
@@ -1275,12 +1278,12 @@ impl<'a> LocalCluster<'a> {
             .filter(|o| kind(o) == "Service")
             .map(|o| (name(o), o))
             .collect();
-        let mut held = Vec::new();
         let mut pods = Vec::new();
         for (index, w) in workloads.iter().enumerate() {
             for i in 0..w.replicas {
                 let name = format!("{}-{i}", w.name);
                 let mut ports = BTreeMap::new();
+                let mut held = Vec::new();
                 for port in containers(w.template).iter().flat_map(container_ports) {
                     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
                     ports.insert(port.1, listener.local_addr().unwrap().port());
@@ -1292,12 +1295,12 @@ impl<'a> LocalCluster<'a> {
                     name,
                     workload: index,
                     ports,
+                    held,
                     dir,
                     child: None,
                 });
             }
         }
-        drop(held);
         Self {
             workloads,
             services,
@@ -1482,6 +1485,9 @@ impl<'a> LocalCluster<'a> {
             }
             let local = self.localize(pod, container, &argv);
             let log = std::fs::File::create(pod.dir.join("log")).unwrap();
+            // the pod binds its ports now
+            self.pods[p].held.clear();
+            let pod = &self.pods[p];
             let child = Command::new(&local[0])
                 .args(&local[1..])
                 .envs(self.env(pod, container))
