@@ -920,22 +920,14 @@ impl Store {
         })
     }
 
-    /// A registered instance. One this replica's reads do not show yet is looked up again after
-    /// bringing them up to date: with several replicas over one etcd, an instance registered
-    /// through another replica a moment ago may not have reached this one's mirror, and its
-    /// renewal must not be answered NOT_FOUND.
+    /// A registered instance (called inside [`Store::mutate`], which reads again after bringing
+    /// the reads up to date when this replica's mirror does not show it yet).
     fn registered(&self, instance_id: &str) -> Result<RegisteredInstance, StoreError> {
-        let read = || -> Result<Option<RegisteredInstance>, StoreError> {
-            self.backend
-                .get(TreeId::Instances, instance_id.as_bytes())?
-                .map(|v| decode("instances", &v))
-                .transpose()
-        };
-        if let Some(inst) = read()? {
-            return Ok(inst);
-        }
-        self.backend.sync()?;
-        read()?.ok_or_else(|| not_found("instance", instance_id))
+        self.backend
+            .get(TreeId::Instances, instance_id.as_bytes())?
+            .map(|v| decode("instances", &v))
+            .transpose()?
+            .ok_or_else(|| not_found("instance", instance_id))
     }
 
     pub fn renew_lease(&self, instance_id: &str) -> Result<RegisteredInstance, StoreError> {
@@ -1165,6 +1157,12 @@ mod tests {
         let Err(StoreError::AlreadyExists { .. }) = b.create_config("cfg", &variants(3.0)) else {
             panic!("a second create of cfg was not refused")
         };
+        // an instance registered through a replica renews at once through the other
+        a.create_endpoint("e", "cfg").unwrap();
+        let inst = a
+            .register_instance("e", "v1", "http://127.0.0.1:10", 30)
+            .unwrap();
+        b.renew_lease(&inst.instance_id).unwrap();
         // a name nobody created is still not found
         let Err(StoreError::NotFound { .. }) = b.update_config("nope", &variants(1.0), None) else {
             panic!("an update of a config nobody created did not answer NOT_FOUND")
