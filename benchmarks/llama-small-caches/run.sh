@@ -33,7 +33,7 @@ for label in "$@"; do
       peer=($!)
       for _ in $(seq 1 100); do curl -fs http://127.0.0.1:30000/health >/dev/null 2>&1 && break; sleep 0.3; done
       "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:30000 --router-label "$label"
-      kill "${peer[0]}"; wait "${peer[0]}" 2>/dev/null || true
+      kill "${peer[0]}" 2>/dev/null || true; wait "${peer[0]}" 2>/dev/null || true
       ;;
     *) echo "unknown label $label" >&2; exit 2 ;;
   esac

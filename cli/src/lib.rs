@@ -90,8 +90,12 @@ pub fn main(cli: Cli) -> ExitCode {
     };
     let result = runtime.block_on(async {
         // Logs (and traces, with --otlp-endpoint) for the API commands and `up`; `bench`,
-        // `demo` and `top` keep stderr for their own messages. Dropped at the end: flushes the last spans.
+        // `demo` and `top` keep stderr for their own messages (`bench` logs its routers too
+        // when RUST_LOG asks for it). Dropped at the end: flushes the last spans.
         let _telemetry = match &cli.command {
+            Command::Bench(_) if std::env::var_os("RUST_LOG").is_some() => {
+                Some(cli.telemetry.init("prefixctl"))
+            }
             Command::Bench(_) | Command::Demo(_) | Command::Top(_) | Command::Completions(_) => {
                 None
             }

@@ -225,6 +225,8 @@ impl Gate {
 
 /// Most eighths of an overflowing instance's keys that go elsewhere.
 const MAX_RELIEF: u32 = 6;
+/// Fewest revisits in an [`InstanceCache::take_sample`] verdict.
+const MIN_SAMPLE: u32 = 8;
 /// Strikes a gate remembers (its hold stops doubling well before: see `max_hold_ms`).
 const MAX_STRIKES: u32 = 8;
 
@@ -240,6 +242,10 @@ pub struct InstanceCache {
     gate: Gate,
     /// The last window of revisits hit (true until one is seen).
     hitting: AtomicBool,
+    /// Revisits and their misses since the homes pass last took them (see
+    /// [`InstanceCache::take_sample`]).
+    sampled: AtomicU32,
+    sampled_misses: AtomicU32,
 }
 
 impl Default for InstanceCache {
@@ -247,6 +253,8 @@ impl Default for InstanceCache {
         InstanceCache {
             gate: Gate::default(),
             hitting: AtomicBool::new(true),
+            sampled: AtomicU32::new(0),
+            sampled_misses: AtomicU32::new(0),
         }
     }
 }
@@ -264,7 +272,26 @@ impl InstanceCache {
         self.hitting.load(Relaxed)
     }
 
-    fn learn(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) {
+    /// Whether the revisits since the last call missed more than the gates' limit (`None`: too
+    /// few to tell). A router that sees a quarter of the traffic fills a gate's window four
+    /// times slower; the homes pass, which asks once per half-window, needs a verdict at each.
+    pub fn take_sample(&self, t: &FeedbackTuning) -> Option<bool> {
+        let revisits = self.sampled.swap(0, Relaxed);
+        let misses = self.sampled_misses.swap(0, Relaxed);
+        (revisits >= MIN_SAMPLE).then(|| f64::from(misses) > t.miss_limit * f64::from(revisits))
+    }
+
+    /// Learns from a revisit placed by a rule that does not spend cache; true when the
+    /// revisits since the last [`InstanceCache::take_sample`] already say the cache overflows
+    /// (once per sample).
+    fn learn(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
+        let sampled = self.sampled.fetch_add(1, Relaxed) + 1;
+        let misses = match miss {
+            true => self.sampled_misses.fetch_add(1, Relaxed) + 1,
+            false => self.sampled_misses.load(Relaxed),
+        };
+        let overflows =
+            sampled == 2 * MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
         let t = FeedbackTuning {
             strike_interval_ms: t.relief_interval_ms,
             ..*t
@@ -277,6 +304,7 @@ impl InstanceCache {
             Some(false) => self.hitting.store(true, Relaxed),
             None => {}
         }
+        overflows
     }
 
     pub fn gate(&self) -> &Gate {
@@ -289,6 +317,9 @@ impl InstanceCache {
 pub struct Feedback {
     variant: Gate,
     rules: [Gate; Rule::COUNT],
+    /// An instance's revisits since the homes pass last looked say its cache overflows: the
+    /// next request runs the pass (see [`Feedback::take_pass_due`]).
+    pass_due: AtomicBool,
 }
 
 impl Feedback {
@@ -307,8 +338,8 @@ impl Feedback {
             return;
         }
         let miss = !report.hit();
-        if !rule.spends_cache() {
-            instance.learn(miss, now_ms, t);
+        if !rule.spends_cache() && instance.learn(miss, now_ms, t) {
+            self.pass_due.store(true, Relaxed);
         }
         if self.rules[rule as usize].observe(miss, now_ms, t) == Some(true) {
             tracing::debug!(
@@ -323,6 +354,14 @@ impl Feedback {
 
     /// May `rule` act now? A rule that spends cache needs both its own gate and the variant's
     /// open; the others always may.
+    /// True once after an instance's revisits showed its cache overflowing: the homes pass
+    /// should count again now, not at the next half-window (a router that sees a quarter of
+    /// the traffic reaches a half-window every 20-30 s on a slow fleet).
+    #[inline]
+    pub fn take_pass_due(&self) -> bool {
+        self.pass_due.load(Relaxed) && self.pass_due.swap(false, Relaxed)
+    }
+
     pub fn allows(&self, rule: Rule, now_ms: u64) -> bool {
         !rule.spends_cache()
             || (self.variant.is_open(now_ms) && self.rules[rule as usize].is_open(now_ms))

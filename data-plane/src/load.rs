@@ -238,10 +238,17 @@ const HOME_CANDIDATES: usize = 1024;
 /// this router placed most often (a direct-mapped table of key hashes: of two keys in one slot,
 /// the one with the higher recent count stays) and the last assignment of those keys to
 /// instances, swapped whole once per half-window. 1,024 x 8 bytes = 8 KiB of candidates per
-/// PREFIX_AWARE variant, plus at most as many assigned homes.
+/// PREFIX_AWARE variant, plus at most as many assigned homes. With them, what the engines'
+/// reports taught the passes about how many reused keys an instance's cache holds.
 pub struct Homes {
     candidates: Box<[AtomicU64]>,
     assignment: ArcSwap<Vec<Home>>,
+    /// Reused keys each instance (by id hash) took at the last pass.
+    held: ArcSwap<Vec<(u64, u32)>>,
+    /// The most reused keys an instance's cache was seen to hold (0: no instance overflowed).
+    capacity: AtomicU32,
+    /// Passes since an instance last overflowed.
+    calm: AtomicU32,
 }
 
 /// One key's home: the instance's index in the variant when the home was assigned, and its id
@@ -279,6 +286,9 @@ impl Default for Homes {
         Homes {
             candidates: (0..HOME_CANDIDATES).map(|_| AtomicU64::new(0)).collect(),
             assignment: ArcSwap::from_pointee(Vec::new()),
+            held: ArcSwap::from_pointee(Vec::new()),
+            capacity: AtomicU32::new(0),
+            calm: AtomicU32::new(0),
         }
     }
 }
@@ -325,6 +335,30 @@ impl Homes {
     pub fn store(&self, homes: Vec<Home>) {
         debug_assert!(homes.windows(2).all(|w| w[0].key < w[1].key));
         self.assignment.store(Arc::new(homes));
+    }
+
+    /// Reused keys each instance (by id hash) took at the last pass.
+    pub fn held(&self) -> Arc<Vec<(u64, u32)>> {
+        self.held.load_full()
+    }
+
+    pub fn store_held(&self, held: Vec<(u64, u32)>) {
+        self.held.store(Arc::new(held));
+    }
+
+    /// Reused keys an instance's cache holds, as learnt (`None` until one overflowed).
+    pub fn capacity(&self) -> Option<u32> {
+        Some(self.capacity.load(Relaxed)).filter(|&c| c > 0)
+    }
+
+    /// Sets what [`Homes::capacity`] says, and the passes since an overflow.
+    pub fn store_capacity(&self, capacity: Option<u32>, calm: u32) {
+        self.capacity.store(capacity.unwrap_or(0), Relaxed);
+        self.calm.store(calm, Relaxed);
+    }
+
+    pub fn calm(&self) -> u32 {
+        self.calm.load(Relaxed)
     }
 }
 

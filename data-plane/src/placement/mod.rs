@@ -18,8 +18,11 @@
 //!   holds, and with few popular prefixes it leaves one instance crowded and another idle. Once
 //!   per half-window the keys this router placed often are counted onto instances in hash order;
 //!   a key whose top choice holds clearly more of them than the emptiest of its first three gets
-//!   that one as its home and goes there instead. The pass depends only on the set of reused
-//!   keys, so replicas agree.
+//!   that one as its home and goes there instead. An instance whose cache overflows while it
+//!   holds k of the keys shows that its cache holds fewer: from then on no instance gets more
+//!   than k - 1 (a hot key whose copies would not fit gets none), and the pass runs again as
+//!   soon as a router's revisits show an overflow. The pass depends only on the set of reused
+//!   keys and that bound, so replicas agree.
 //! - **Hot-key replicas** (queueing): each router estimates, over its last 2,048-4,096 requests
 //!   to the variant ([`crate::load::KeyRates`]), every key's share. A key with share `s` of n
 //!   instances is hot when `s * n >= hot_share`; it is served by its first
@@ -41,9 +44,11 @@
 //! - **Relief** (prefill, [`crate::feedback::InstanceCache`]): an instance whose revisits miss
 //!   holds more prefixes than its cache fits (hash luck can give one instance of a few more
 //!   documents than it holds while another idles); each strike sends another eighth of its keys,
-//!   picked by key hash, to the least loaded instance whose revisits hit (remembered by the
-//!   prefix index, so a moved key stays where it went). Keys move, nothing
-//!   is copied, and the strikes decay once the instance's revisits hit again.
+//!   picked by key hash, to the first instance of the key's ranking whose revisits hit
+//!   (remembered by the prefix index, so a moved key stays where it went). Keys move, nothing
+//!   is copied, and the strikes decay once the instance's revisits hit again. Relief acts only
+//!   until the homes pass has learnt a bound: then the pass moves keys by it, the same on
+//!   every router, where relief's moves were each router's own.
 //! - **Spills** (queueing): a key whose instances are all at their in-flight bound walks its
 //!   ranking; the local [`PrefixIndex`] remembers where it spilled so it keeps spilling there.
 //!   While spill copies miss, only `concurrency_threshold` bounds an instance.
@@ -298,7 +303,10 @@ impl Placement {
             if recorded.new_window {
                 reweigh(variant, &self.tuning);
             }
-            if recorded.new_window || self.tuning.home_early.contains(&(recorded.sequence + 1)) {
+            if recorded.new_window
+                || self.tuning.home_early.contains(&(recorded.sequence + 1))
+                || variant.load().feedback().take_pass_due()
+            {
                 assign_homes(variant, &self.tuning);
             }
         }

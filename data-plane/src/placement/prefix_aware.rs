@@ -112,9 +112,14 @@ impl Placement {
         };
         let (top, top_score) = rendezvous_top(hashes, key);
         let key_share = share(v, key, t.min_window);
+        // A reused key's home (see [`super::homes`]): a hot key has one only where the caches
+        // have no room for its copies.
+        let home = v.load().homes().get(key).and_then(|h| h.locate(hashes));
         // A hot key gets replicas by its share while they pay, else only as many as its load
         // needs (a key with more traffic than one instance's share cannot stay on one).
-        let r = if feedback.allows(Rule::HotReplica, now) {
+        let r = if home.is_some() {
+            1
+        } else if feedback.allows(Rule::HotReplica, now) {
             t.replicas(key_share, hashes.len())
         } else {
             t.least_replicas(key_share, hashes.len())
@@ -153,8 +158,7 @@ impl Placement {
                 return Some((i, d, Rule::HotReplica));
             }
         } else {
-            // A reused key's home (see [`super::homes`]), else its (weighted) top choice.
-            let home = v.load().homes().get(key).and_then(|h| h.locate(hashes));
+            // The key's home, else its (weighted) top choice.
             let first = match home {
                 Some(h) => h,
                 None if feedback.allows(Rule::Reweighed, now) => weighted_first(v, key, top),
@@ -162,9 +166,15 @@ impl Placement {
             };
             // A key whose instance's cache overflows, among the share of its keys it sheds: the
             // instance it was moved to before (the prefix index remembers it) while that one's
-            // cache has room, else the instance with room that this router sent the fewest
-            // recent requests (one that hashing left idle first).
-            if instances[first].state().cache().relieves(key) {
+            // cache has room, else the first instance of its ranking with room (the same on
+            // every router: one that picked by its own recent counts disagreed with the others,
+            // and each disagreement is a copy).
+            // (Once the homes pass knows how many keys a cache holds it places by that bound,
+            // the same on every router, and relief stands down: its moves, each router's own,
+            // broke the agreed homes and overflowed the instances they went to.)
+            if instances[first].state().cache().relieves(key)
+                && v.load().homes().capacity().is_none()
+            {
                 let room =
                     |j: usize| j != first && instances[j].state().cache().has_room() && ok(j);
                 let index_key = key ^ v.salt();
@@ -174,11 +184,9 @@ impl Placement {
                     .and_then(|h| hashes.iter().position(|&x| x == h))
                     .filter(|&j| room(j));
                 let to = remembered.or_else(|| {
-                    let e = v.load().epoch();
-                    let recent = |i: usize| instances[i].state().recent().value(e);
-                    let j = (0..hashes.len())
-                        .filter(|&j| room(j))
-                        .min_by(|&a, &b| recent(a).total_cmp(&recent(b)))?;
+                    let j = std::iter::once(top)
+                        .chain(RendezvousWalk::new(hashes, key, top, top_score))
+                        .find(|&j| room(j))?;
                     self.index.insert(index_key, hashes[j]);
                     Some(j)
                 });

@@ -49,6 +49,10 @@ pub struct Tuning {
     /// A key leaves its top choice for a home only when the top choice holds more than this
     /// times the mean number of reused keys per instance (and at least one) more than the home.
     pub home_slack: f64,
+    /// Once an instance's cache overflowed holding k reused keys, passes give no instance more
+    /// than k - 1 (see [`crate::placement`]'s homes); after this many passes with no overflow
+    /// they try one more (caches can grow, and the overflow may have had another cause).
+    pub home_probe_passes: u32,
     /// Besides at every half-window, a router assigns homes when its request count in the
     /// variant reaches each of these (a fresh router learns them in its first seconds).
     pub home_early: [u64; 2],
@@ -79,6 +83,7 @@ impl Default for Tuning {
             home_share: 1.0 / 32.0,
             home_min_requests: 4.0,
             home_slack: 0.5,
+            home_probe_passes: 16,
             home_early: [64, 256],
             feedback: FeedbackTuning::default(),
         }
