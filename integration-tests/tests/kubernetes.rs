@@ -36,12 +36,6 @@ const INSTALLS: [&str; 2] = [
 const KUBERNETES_VERSIONS: [&str; 2] = ["1.30.0", "1.37.0"];
 /// Where every container sends its traces (an OpenTelemetry collector in `observability`).
 const OTLP_ENDPOINT: &str = "http://otel-collector.observability:4317";
-/// Flags of issue 16 that a binary built before them does not list yet: tolerated (and printed as
-/// not checked) only while that binary's `--help` lacks them.
-const PENDING_FLAGS: [(&str, &str); 2] = [
-    ("control-plane", "--etcd-endpoints"),
-    ("control-plane", "--etcd-prefix"),
-];
 /// Flags whose value starts with `/` without being a file path.
 const NOT_PATHS: [&str; 1] = ["--etcd-prefix"];
 /// Kinds the renderer knows to be namespaced (anything else it refuses to guess about).
@@ -399,11 +393,6 @@ impl Helps {
         for flag in flags(&call.argv) {
             if help_has_flag(&text, flag) {
                 self.flags_checked += 1;
-            } else if PENDING_FLAGS.contains(&(call.binary.as_str(), flag)) {
-                self.not_checked.insert(format!(
-                    "{} {flag} (not in this build's --help yet)",
-                    call.binary
-                ));
             } else {
                 panic!(
                     "{who}: {} {:?} has no flag {flag}:\n{text}",

@@ -34,7 +34,8 @@
 //!   `prefix_length`, shared by every conversation on it) is keyed by its conversation instead
 //!   ([`crate::prompt::deep_prompt_key`]); a first turn takes the less loaded of its first two
 //!   instances and this router remembers it for the later turns. Its premise, that the head is
-//!   cached where first turns go, is checked on each first turn's report.
+//!   cached where first turns go, is checked on each first turn's report, and it is false
+//!   wherever the homes pass has learnt a bound on what a cache holds: there no head is deepened.
 //! - **Warm moves** (queueing): a key near the hot threshold whose instance is over its fair
 //!   share of requests goes to the next instance of its ranking while that one has had fewer.
 //! - **Re-weighing** (queueing, [`reweigh`]): instance weights set every half-window from request
@@ -254,13 +255,16 @@ impl Placement {
                 let limit = pa.prefix_length as usize;
                 let k = prompt_key(req.kind, req.body, limit, seed);
                 let t = &self.tuning;
+                // (Not where the homes pass learnt that the caches hold only so many keys: a
+                // conversation's first turn may then land where the head is not cached.)
                 let deep = (k.head_only
                     && share(variant, k.hash, t.min_window) * variant.instances().len() as f64
                         >= t.deepen_share
                     && variant
                         .load()
                         .feedback()
-                        .allows(Rule::DeepenedHead, now_ms()))
+                        .allows(Rule::DeepenedHead, now_ms())
+                    && variant.load().homes().capacity().is_none())
                 .then(|| deep_prompt_key(req.body, limit, seed))
                 .flatten();
                 match deep {
