@@ -49,8 +49,8 @@ pub struct Tuning {
     /// A key leaves its top choice for a home only when the top choice holds more than this
     /// times the mean number of reused keys per instance (and at least one) more than the home.
     pub home_slack: f64,
-    /// Once an instance's cache overflowed holding k reused keys, passes give no instance more
-    /// than k - 1 (see [`crate::placement`]'s homes); after this many passes with no overflow
+    /// Once an instance's cache overflowed holding more than an even spread of the reused keys,
+    /// passes give no instance more than that spread (see [`crate::placement`]'s homes); after this many passes with no overflow
     /// they try one more (caches can grow, and the overflow may have had another cause).
     pub home_probe_passes: u32,
     /// Besides at every half-window, a router assigns homes when its request count in the
