@@ -184,8 +184,10 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
 /// once. (At k - 1, stepping down once per overflow seen, 4 routers on llama-servers with small
 /// caches, document as the system message, reached 75.4-88.8% hit against 91.1-94.0% so: the
 /// first overflows a router sees are of the early passes' copies, and each step waited for its
-/// own evidence.) An instance that overflows at an even spread is left to relief. After [`Tuning::home_probe_passes`] passes with no overflow the bound rises by
-/// one, and is forgotten once no instance reaches it.
+/// own evidence.) An instance that overflows at an even spread teaches nothing: counting cannot
+/// help it (and relief stands down while a bound is known). After
+/// [`Tuning::home_probe_passes`] passes with no overflow the bound rises by one, and is forgotten
+/// once no instance reaches it.
 fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
     let homes = v.load().homes();
     let hashes = v.id_hashes();
