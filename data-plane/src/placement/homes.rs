@@ -25,20 +25,21 @@
 //! What the counting takes for room is checked against the engines: an instance whose cache
 //! overflows (its revisits miss, [`crate::feedback::InstanceCache`]) while it holds k of the
 //! reused keys shows that its cache holds fewer, and from then on no pass gives an instance more
-//! than an even spread of the keys ([`learn_capacity`]; k - 1, one step at a time, left 4 routers
-//! disagreeing for most of a minute while each took its steps): a key whose first choices are full goes to the first
-//! instance of its ranking with room (consistent hashing with bounded loads, the bound being
-//! the measured one), and a hot key whose copies would not fit beside every other reused key
-//! gets none: one instance, as its home. A router runs the pass as soon as its revisits to one
-//! instance show an overflow ([`crate::feedback::Feedback::take_pass_due`]), not only once per
-//! half-window, and while a bound is known a home is not kept out of habit: the pass is then a
-//! function of the reused keys and the bound alone, which replicas share. On 4 llama-servers whose caches held 2 of 8 documents,
-//! counting alone gave 3/1/3/2 and the two with 3 thrashed (hit 84%); with the bound, 2/2/2/2
-//! and 93.8% (the workload's ceiling 94.1%).
+//! than an even spread of the keys ([`learn_capacity`]; k - 1, one step at a time, left 4
+//! routers disagreeing for most of a minute while each took its steps): a key whose first
+//! choices are full goes to the first instance of its ranking with room (consistent hashing
+//! with bounded loads, the bound being the measured one), and a hot key whose copies would not
+//! fit beside every other reused key gets none: one instance, as its home. A router runs the
+//! pass as soon as its revisits to one instance show an overflow
+//! ([`crate::feedback::Feedback::take_pass_due`]), not only once per half-window, and while a
+//! bound is known a home is not kept out of habit: the pass is then a function of the reused
+//! keys and the bound alone, which replicas share. On 4 llama-servers whose caches held 2 of 8
+//! documents, counting alone gave 3/1/3/2 and the two with 3 thrashed (hit 84%); with the
+//! bound, 2/2/2/2 and 93.8% (the workload's ceiling 94.1%).
 //!
 //! A home is not a copy: the key leaves its top choice for the home, once. Its revisits there
-//! are held to the engines' reports like plain hashing's (relief moves keys off a home whose
-//! cache still overflows).
+//! are held to the engines' reports like plain hashing's (until a bound is known, relief moves
+//! keys off a home whose cache still overflows).
 
 use std::collections::HashMap;
 
