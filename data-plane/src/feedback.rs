@@ -139,6 +139,28 @@ impl Rule {
     }
 }
 
+/// What the router knew of a request's prefix on the instance it chose, for what the engine's
+/// report of it can teach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Visit {
+    /// Not served there before (or forgotten): a miss is no evidence, nothing was there to evict.
+    #[default]
+    First,
+    /// Served there before: the engine should hold the prefix.
+    Revisit,
+    /// A revisit of one of the keys the last homes pass counted onto instances (a reused key):
+    /// its miss says the cache holds fewer reused keys than the pass gave it. A rarely used
+    /// key's miss says less: a cache with room for every reused key still evicts by age what
+    /// comes back once a minute.
+    ReusedRevisit,
+}
+
+impl Visit {
+    pub fn is_revisit(self) -> bool {
+        self != Visit::First
+    }
+}
+
 /// Revisits and revisit misses of one rule (or of a whole variant), and whether the rule is held
 /// out of placement.
 #[derive(Debug, Default)]
@@ -242,7 +264,7 @@ pub struct InstanceCache {
     gate: Gate,
     /// The last window of revisits hit (true until one is seen).
     hitting: AtomicBool,
-    /// Revisits and their misses since the homes pass last took them (see
+    /// Revisits of reused keys and their misses since the homes pass last took them (see
     /// [`InstanceCache::take_sample`]).
     sampled: AtomicU32,
     sampled_misses: AtomicU32,
@@ -272,26 +294,33 @@ impl InstanceCache {
         self.hitting.load(Relaxed)
     }
 
-    /// Whether the revisits since the last call missed more than the gates' limit (`None`: too
-    /// few to tell). A router that sees a quarter of the traffic fills a gate's window four
-    /// times slower; the homes pass, which asks once per half-window, needs a verdict at each.
+    /// Whether the revisits of reused keys since the last verdict missed more than the gates'
+    /// limit (`None`: too few to tell yet; they are kept for the next call). A router that sees
+    /// a quarter of the traffic fills a gate's window four times slower; the homes pass, which
+    /// asks once per half-window, needs a verdict soon.
     pub fn take_sample(&self, t: &FeedbackTuning) -> Option<bool> {
+        if self.sampled.load(Relaxed) < MIN_SAMPLE {
+            return None;
+        }
         let revisits = self.sampled.swap(0, Relaxed);
         let misses = self.sampled_misses.swap(0, Relaxed);
-        (revisits >= MIN_SAMPLE).then(|| f64::from(misses) > t.miss_limit * f64::from(revisits))
+        Some(f64::from(misses) > t.miss_limit * f64::from(revisits))
     }
 
-    /// Learns from a revisit placed by a rule that does not spend cache; true when the
-    /// revisits since the last [`InstanceCache::take_sample`] already say the cache overflows
-    /// (once per sample).
-    fn learn(&self, miss: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
-        let sampled = self.sampled.fetch_add(1, Relaxed) + 1;
-        let misses = match miss {
-            true => self.sampled_misses.fetch_add(1, Relaxed) + 1,
-            false => self.sampled_misses.load(Relaxed),
-        };
-        let overflows =
-            sampled == 2 * MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
+    /// Learns from a revisit placed by a rule that does not spend cache (`reused`: of a key the
+    /// homes pass counted); true when the reused keys' revisits since the last
+    /// [`InstanceCache::take_sample`] verdict already say the cache overflows (once per sample).
+    fn learn(&self, miss: bool, reused: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
+        let mut overflows = false;
+        if reused {
+            let sampled = self.sampled.fetch_add(1, Relaxed) + 1;
+            let misses = match miss {
+                true => self.sampled_misses.fetch_add(1, Relaxed) + 1,
+                false => self.sampled_misses.load(Relaxed),
+            };
+            overflows =
+                sampled == 2 * MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
+        }
         let t = FeedbackTuning {
             strike_interval_ms: t.relief_interval_ms,
             ..*t
@@ -323,22 +352,23 @@ pub struct Feedback {
 }
 
 impl Feedback {
-    /// Learns from one PREFIX_AWARE request's outcome: `revisit` when the router had sent the
-    /// request's prefix to the same instance before.
+    /// Learns from one PREFIX_AWARE request's outcome: what the router knew of its prefix on
+    /// the instance (`visit`) and what the engine reported.
     pub fn learn(
         &self,
         rule: Rule,
-        revisit: bool,
+        visit: Visit,
         report: CacheReport,
         now_ms: u64,
         t: &FeedbackTuning,
         instance: &InstanceCache,
     ) {
-        if !revisit {
+        if !visit.is_revisit() {
             return;
         }
         let miss = !report.hit();
-        if !rule.spends_cache() && instance.learn(miss, now_ms, t) {
+        let reused = visit == Visit::ReusedRevisit;
+        if !rule.spends_cache() && instance.learn(miss, reused, now_ms, t) {
             self.pass_due.store(true, Relaxed);
         }
         if self.rules[rule as usize].observe(miss, now_ms, t) == Some(true) {
@@ -408,7 +438,7 @@ pub(crate) mod tests {
         let now = 1_000;
         for _ in 0..t.window {
             assert!(f.allows(Rule::HotReplica, now));
-            f.learn(Rule::HotReplica, true, MISS, now, &t, &i);
+            f.learn(Rule::HotReplica, Visit::ReusedRevisit, MISS, now, &t, &i);
         }
         assert!(!f.allows(Rule::HotReplica, now));
         // the variant's gate closed too: every rule that spends cache stands down
@@ -418,7 +448,14 @@ pub(crate) mod tests {
         assert!(f.allows(Rule::HotReplica, reopened));
         // missing again right after: closed for twice as long
         for _ in 0..t.window {
-            f.learn(Rule::HotReplica, true, MISS, reopened, &t, &i);
+            f.learn(
+                Rule::HotReplica,
+                Visit::ReusedRevisit,
+                MISS,
+                reopened,
+                &t,
+                &i,
+            );
         }
         assert!(!f.allows(Rule::HotReplica, reopened + t.hold_ms));
         assert!(f.allows(Rule::HotReplica, reopened + 2 * t.hold_ms));
@@ -433,9 +470,16 @@ pub(crate) mod tests {
         for n in 0..10 * t.window {
             // one miss in ten revisits is below the limit
             let report = if n % 10 == 0 { MISS } else { HIT };
-            f.learn(Rule::DeepenedHead, true, report, 1_000, &t, &i);
+            f.learn(
+                Rule::DeepenedHead,
+                Visit::ReusedRevisit,
+                report,
+                1_000,
+                &t,
+                &i,
+            );
             // a first placement's miss is no evidence: nothing was there to evict
-            f.learn(Rule::DeepenedHead, false, MISS, 1_000, &t, &i);
+            f.learn(Rule::DeepenedHead, Visit::First, MISS, 1_000, &t, &i);
         }
         assert!(f.allows(Rule::DeepenedHead, 1_000));
         assert_eq!(f.variant().closings(), 0);
@@ -447,9 +491,9 @@ pub(crate) mod tests {
         let f = Feedback::default();
         let i = InstanceCache::default();
         for _ in 0..2 * t.window {
-            f.learn(Rule::WarmMove, true, MISS, 1_000, &t, &i);
+            f.learn(Rule::WarmMove, Visit::ReusedRevisit, MISS, 1_000, &t, &i);
             for _ in 0..9 {
-                f.learn(Rule::PrefixHash, true, HIT, 1_000, &t, &i);
+                f.learn(Rule::PrefixHash, Visit::ReusedRevisit, HIT, 1_000, &t, &i);
             }
         }
         assert!(!f.allows(Rule::WarmMove, 1_000));
@@ -471,7 +515,7 @@ pub(crate) mod tests {
         let mut now = 1_000;
         for strikes in 1..=8u32 {
             for _ in 0..t.window {
-                f.learn(Rule::PrefixHash, true, MISS, now, &t, &i);
+                f.learn(Rule::PrefixHash, Visit::ReusedRevisit, MISS, now, &t, &i);
             }
             let share = moved(&i) as f64 / keys.len() as f64;
             let expected = f64::from(strikes.min(MAX_RELIEF)) / 8.0;
@@ -484,7 +528,7 @@ pub(crate) mod tests {
         while i.gate().strikes() > 0 {
             now += 2 * t.max_hold_ms;
             for _ in 0..t.window {
-                f.learn(Rule::PrefixHash, true, HIT, now, &t, &i);
+                f.learn(Rule::PrefixHash, Visit::ReusedRevisit, HIT, now, &t, &i);
             }
             assert!(moved(&i) <= level);
             assert!(i.has_room(), "its last window hit");

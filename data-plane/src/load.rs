@@ -245,6 +245,8 @@ pub struct Homes {
     assignment: ArcSwap<Vec<Home>>,
     /// Reused keys each instance (by id hash) took at the last pass.
     held: ArcSwap<Vec<(u64, u32)>>,
+    /// The reused keys the last pass counted (sorted).
+    reused: ArcSwap<Vec<u64>>,
     /// The most reused keys an instance's cache was seen to hold (0: no instance overflowed).
     capacity: AtomicU32,
     /// Passes since an instance last overflowed.
@@ -287,6 +289,7 @@ impl Default for Homes {
             candidates: (0..HOME_CANDIDATES).map(|_| AtomicU64::new(0)).collect(),
             assignment: ArcSwap::from_pointee(Vec::new()),
             held: ArcSwap::from_pointee(Vec::new()),
+            reused: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
         }
@@ -344,6 +347,19 @@ impl Homes {
 
     pub fn store_held(&self, held: Vec<(u64, u32)>) {
         self.held.store(Arc::new(held));
+    }
+
+    /// The last pass counted `key` (its revisits' misses are evidence of what the caches hold,
+    /// see [`crate::feedback::Visit::ReusedRevisit`]).
+    #[inline]
+    pub fn is_reused(&self, key: u64) -> bool {
+        self.reused.load().binary_search(&key).is_ok()
+    }
+
+    /// Replaces the counted keys; `keys` must be sorted.
+    pub fn store_reused(&self, keys: Vec<u64>) {
+        debug_assert!(keys.windows(2).all(|w| w[0] < w[1]));
+        self.reused.store(Arc::new(keys));
     }
 
     /// Reused keys an instance's cache holds, as learnt (`None` until one overflowed).

@@ -30,7 +30,7 @@ use tracing::Span;
 
 use crate::access::{self, Access, Admission};
 use crate::config::Config;
-use crate::feedback::{FeedbackTuning, Rule};
+use crate::feedback::{FeedbackTuning, Rule, Visit};
 use crate::load::{now_ms, InFlight};
 use crate::metrics::{Metrics, RouteStats};
 use crate::placement::{Placement, Route, RouteRequest};
@@ -501,7 +501,7 @@ impl Router {
                     route.decision = decision;
                     route.rule = rule;
                     // a retry's outcome says nothing of the key's placement
-                    route.revisit = false;
+                    route.visit = Visit::First;
                     route.placed = 0;
                     if !span.is_disabled() {
                         match &failure {
@@ -592,7 +592,7 @@ impl Router {
             scanner: UsageScanner::default(),
             stats: Arc::clone(instance.stats()),
             rule: route.rule,
-            revisit: route.revisit,
+            visit: route.visit,
             placed: route.placed,
             feedback: self.placement.tuning().feedback,
         });
@@ -943,7 +943,7 @@ struct Outcome {
     scanner: UsageScanner,
     stats: Arc<RouteStats>,
     rule: Rule,
-    revisit: bool,
+    visit: Visit,
     /// [`crate::placement::Route::placed`].
     placed: u64,
     feedback: FeedbackTuning,
@@ -964,7 +964,7 @@ impl UpstreamStream {
                 o.stats.record_usage(o.rule, report);
                 self.in_flight.variant().feedback().learn(
                     o.rule,
-                    o.revisit,
+                    o.visit,
                     report,
                     now_ms(),
                     &o.feedback,

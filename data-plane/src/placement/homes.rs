@@ -23,8 +23,9 @@
 //! even enough no key gets a home.
 //!
 //! What the counting takes for room is checked against the engines: an instance whose cache
-//! overflows (its revisits miss, [`crate::feedback::InstanceCache`]) while it holds k of the
-//! reused keys shows that its cache holds fewer, and from then on no pass gives an instance more
+//! overflows (the revisits of reused keys miss, [`crate::feedback::InstanceCache`]; a rarely
+//! used key evicted by age between its requests says nothing of room for the reused ones) while
+//! it holds k of the reused keys shows that its cache holds fewer, and from then on no pass gives an instance more
 //! than an even spread of the keys ([`learn_capacity`]; k - 1, one step at a time, left 4
 //! routers disagreeing for most of a minute while each took its steps): a key whose first
 //! choices are full goes to the first instance of its ranking with room (consistent hashing
@@ -59,6 +60,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     let total = load.recent(e);
     if n < 2 || total <= 0.0 {
         homes.store(Vec::new());
+        homes.store_reused(Vec::new());
         return;
     }
     let rates = load.key_rates();
@@ -174,12 +176,15 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         "homes assigned"
     );
     homes.store_held(hashes.iter().copied().zip(held).collect());
+    homes.store_reused(keys.iter().map(|&(_, k)| k).collect());
     homes.store(out);
 }
 
 /// The most reused keys a pass may give one instance (`None`: no bound), from what the engines'
-/// reports said since the last pass. An instance whose cache overflows (its revisits since the
-/// last pass, or in its last window, miss, see [`crate::feedback::InstanceCache`]) while holding
+/// reports said since the last pass. An instance whose cache overflows (the revisits of reused
+/// keys since the last verdict miss, see [`crate::feedback::InstanceCache::take_sample`]; its
+/// gate's windows count every revisit, and misses of cold keys evicted by age closed it on
+/// engine-sim's long-context fleet, whose caches had room for every reused key) while holding
 /// k of the keys the last pass counted, more than an even spread of the `reused` keys over the
 /// instances, shows that its cache holds fewer than k: the bound becomes that even spread at
 /// once. (At k - 1, stepping down once per overflow seen, 4 routers on llama-servers with small
@@ -199,8 +204,7 @@ fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
     let mut overflowed = false;
     for (i, instance) in v.instances().iter().enumerate() {
         let cache = instance.state().cache();
-        let missed = cache.take_sample(&t.feedback);
-        if missed != Some(true) && cache.has_room() {
+        if cache.take_sample(&t.feedback) != Some(true) {
             continue;
         }
         overflowed = true;

@@ -18,8 +18,8 @@
 //!   holds, and with few popular prefixes it leaves one instance crowded and another idle. Once
 //!   per half-window the keys this router placed often are counted onto instances in hash order;
 //!   a key whose top choice holds clearly more of them than the emptiest of its first three gets
-//!   that one as its home and goes there instead. An instance whose cache overflows while it
-//!   holds more than an even spread of the keys shows that its cache holds fewer: from then on
+//!   that one as its home and goes there instead. An instance whose cache overflows (revisits
+//!   of those keys miss) while it holds more than an even spread of them shows that its cache holds fewer: from then on
 //!   no instance gets more than an even spread (a hot key whose copies would not fit gets none), and the pass runs again as
 //!   soon as a router's revisits show an overflow. The pass depends only on the set of reused
 //!   keys and that bound, so replicas agree.
@@ -59,7 +59,7 @@
 use http::HeaderValue;
 use rand::Rng;
 
-use crate::feedback::Rule;
+use crate::feedback::{Rule, Visit};
 use crate::load::now_ms;
 use crate::prefix_index::PrefixIndex;
 use crate::prompt::{deep_prompt_key, find_model, prompt_key, seed_for, BodyKind};
@@ -178,9 +178,9 @@ pub struct Route<'t> {
     /// The rule that chose the instance (finer than `decision`: the label of the token counters
     /// and what the engines' reports are held against).
     pub rule: Rule,
-    /// PREFIX_AWARE: a request with the same prefix finished on the same instance before, so
-    /// the engine should find it cached (see [`crate::feedback`]).
-    pub revisit: bool,
+    /// PREFIX_AWARE: whether a request with the same prefix finished on the same instance
+    /// before, so that the engine should find it cached (see [`crate::feedback`]).
+    pub visit: Visit,
     /// PREFIX_AWARE: the hash of (cached prefix, instance), recorded as served when the response
     /// ends ([`crate::load::ServedPrefixes`]); 0 otherwise.
     pub placed: u64,
@@ -292,7 +292,7 @@ impl Placement {
             endpoint: endpoint.name().to_string(),
             variant: variant.name().to_string(),
         })?;
-        let (mut revisit, mut placed) = (false, 0);
+        let (mut visit, mut placed) = (Visit::First, 0);
         if let Some(k) = key {
             let state = variant.instances()[instance].state();
             // The prefix the instance's cache must hold for this request: the shared head of a
@@ -303,7 +303,12 @@ impl Placement {
                 Some(c) => variant.load().record(state, &[k, c.head], placed),
                 None => variant.load().record(state, &[k], placed),
             };
-            revisit = recorded.revisit;
+            let homes = variant.load().homes();
+            visit = match recorded.revisit {
+                false => Visit::First,
+                true if homes.is_reused(cached) => Visit::ReusedRevisit,
+                true => Visit::Revisit,
+            };
             if recorded.new_window {
                 reweigh(variant, &self.tuning);
             }
@@ -320,7 +325,7 @@ impl Placement {
             instance,
             decision,
             rule,
-            revisit,
+            visit,
             placed,
             key,
             key_blocks,
