@@ -17,7 +17,7 @@ use http::Response;
 use credentials::{SecretFile, SecretValue};
 
 use crate::config::Config;
-use crate::proxy::ResponseBody;
+use crate::response::{json_response, Admission, ResponseBody};
 
 /// Paths anyone may call: probes and metrics (as vLLM leaves `/health` and `/metrics` open).
 pub(crate) fn is_open_path(path: &str) -> bool {
@@ -149,16 +149,6 @@ impl Access {
     }
 }
 
-/// A place among the router's requests in flight; released on drop.
-#[derive(Debug)]
-pub(crate) struct Admission(Arc<AtomicUsize>);
-
-impl Drop for Admission {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// `Bearer KEY`, marked sensitive (kept out of logs and HPACK tables).
 fn bearer_header(key: &str) -> Result<HeaderValue, String> {
     let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
@@ -200,7 +190,7 @@ pub(crate) fn refusal_response(refusal: &Refusal) -> Response<ResponseBody> {
     let body = serde_json::json!({
         "error": { "message": message, "type": kind, "param": null, "code": code }
     });
-    let mut r = crate::proxy::json_response(status, serde_json::to_vec(&body).unwrap_or_default());
+    let mut r = json_response(status, serde_json::to_vec(&body).unwrap_or_default());
     match refusal {
         Refusal::Unauthorized(_) => {
             r.headers_mut()

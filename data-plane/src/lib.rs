@@ -16,10 +16,13 @@
 //!   their revisits miss.
 //! - [`load`]: in-flight counters (an RAII guard held until the response body ends) and passive
 //!   health (ejection after repeated failures).
-//! - `proxy`: HTTP handling and forwarding (hyper 1, pooled keep-alive connections, streamed
-//!   bodies, one retry, JSON errors, the `route` / `upstream` spans and W3C `traceparent` in and
-//!   out); [`metrics`]: counters and histograms in atomics, described at scrape time and
-//!   encoded by the `prometheus` crate (`telemetry::exposition`).
+//! - `proxy`: HTTP handling: dispatch and admission (`proxy`), the request read
+//!   (`proxy::request`), forwarding with one retry over pooled keep-alive connections
+//!   (`proxy::forward`, `upstream`); `response`: the streamed response body and JSON errors;
+//!   `spans`: the `route` / `upstream` spans (W3C `traceparent` in and out).
+//! - [`metrics`]: counters and histograms in atomics, described at scrape time and encoded by
+//!   the `prometheus` crate (`telemetry::exposition`); [`route_stats`]: each route's counters,
+//!   by [`decision`] and status.
 //! - [`models`]: `GET /v1/models` from the routing table (every other `/v1/*` path is proxied).
 //!
 //! Invariants:
@@ -48,6 +51,7 @@ use tokio::net::TcpListener;
 
 mod access;
 pub mod config;
+pub mod decision;
 pub mod feedback;
 pub mod load;
 pub mod metrics;
@@ -56,6 +60,9 @@ pub mod placement;
 pub mod prefix_index;
 pub mod prompt;
 mod proxy;
+mod response;
+pub mod route_stats;
+mod spans;
 pub mod table;
 mod tls;
 mod upstream;

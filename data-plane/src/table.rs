@@ -12,7 +12,7 @@ use http::HeaderValue;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::load::{InstanceState, VariantLoad};
-use crate::metrics::RouteStats;
+use crate::route_stats::RouteStats;
 
 pub use proto::limits::{
     CONCURRENCY_THRESHOLD_RANGE, DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH,

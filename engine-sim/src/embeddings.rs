@@ -11,7 +11,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine::Engine;
 use crate::prompt::{describe, InvalidRequest};
-use crate::server::{invalid, json_response, read_json, unix_now, ResponseBody};
+use crate::reply::{invalid, json_response, read_json, unix_now, ResponseBody};
 
 /// Vector length when the request names none.
 pub const DEFAULT_DIMENSIONS: usize = 256;

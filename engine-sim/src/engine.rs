@@ -27,8 +27,8 @@ use tokio::time::{sleep_until, Instant};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::{scaled_secs, Config};
+use crate::histogram::{Histogram, TTFT_BUCKETS};
 use crate::kv_cache::{PrefixCache, PromptBlocks};
-use crate::metrics::Histogram;
 
 /// One simulated engine: its configuration, KV cache, scheduler state and counters.
 /// Shared (`Arc`) by the HTTP server and any in-process user that wants [`Engine::stats`].
@@ -105,7 +105,7 @@ impl Engine {
                 lane_free_at: Instant::now(),
             }),
             counters: Counters::default(),
-            ttft: Histogram::new(crate::metrics::TTFT_BUCKETS),
+            ttft: Histogram::new(TTFT_BUCKETS),
             ttft_overhead: config.scaled_ms(config.ttft_overhead_ms),
             itl: config.scaled_ms(config.itl_ms),
             prefill_secs_per_token: config.time_scale / config.prefill_tokens_per_s,

@@ -27,10 +27,12 @@
 pub mod config;
 mod embeddings;
 pub mod engine;
+mod histogram;
 pub mod kv_cache;
 mod metrics;
 mod openai;
 pub mod prompt;
+mod reply;
 mod responses;
 mod server;
 

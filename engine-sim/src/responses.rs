@@ -19,7 +19,7 @@ use crate::engine::Engine;
 use crate::kv_cache::BlockHasher;
 use crate::openai::{Filler, Usage};
 use crate::prompt::{describe, InvalidRequest, DEFAULT_MAX_TOKENS};
-use crate::server::{invalid, json_response, read_json, unix_now, ResponseBody};
+use crate::reply::{invalid, json_response, read_json, unix_now, ResponseBody};
 
 /// The validated request: its canonical prompt and what the answer echoes.
 #[derive(Debug, PartialEq)]

@@ -1,0 +1,45 @@
+//! Why an instance was chosen, as the `x-prefix-router-decision` header and the `decision` label
+//! of the request counters say it (the finer [`crate::feedback::Rule`] labels the token counters).
+
+use http::HeaderValue;
+
+/// Why an instance was chosen (the `x-prefix-router-decision` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Decision {
+    /// RANDOM.
+    Random = 0,
+    /// LEAST_OUTSTANDING_REQUESTS.
+    LeastOutstanding = 1,
+    /// PREFIX_AWARE: the top choice was over its cap; the local index remembered where the key
+    /// spilled before, and that instance had room.
+    PrefixMatch = 2,
+    /// PREFIX_AWARE: the rendezvous top choice.
+    PrefixHash = 3,
+    /// PREFIX_AWARE: the top choice was skipped (load cap, concurrency threshold or ejection).
+    OverloadBypass = 4,
+}
+
+impl Decision {
+    pub const ALL: [Decision; 5] = [
+        Decision::Random,
+        Decision::LeastOutstanding,
+        Decision::PrefixMatch,
+        Decision::PrefixHash,
+        Decision::OverloadBypass,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Random => "random",
+            Decision::LeastOutstanding => "least_outstanding",
+            Decision::PrefixMatch => "prefix_match",
+            Decision::PrefixHash => "prefix_hash",
+            Decision::OverloadBypass => "overload_bypass",
+        }
+    }
+
+    pub fn header(self) -> HeaderValue {
+        HeaderValue::from_static(self.as_str())
+    }
+}

@@ -1,0 +1,407 @@
+//! The HTTP side: dispatch by path ([`Router::handle`]), admission under `--max-in-flight`,
+//! the request read ([`request`]), routed and forwarded with one retry ([`forward`]), the
+//! response streamed back ([`crate::response`]), and JSON errors.
+//!
+//! Tracing ([`crate::spans`]): each proxied request has a `route` span and one `upstream` child
+//! span per attempt, both ending with the response body. The caller's W3C `traceparent` parents
+//! `route`; `upstream`'s context goes to the instance in `traceparent`. With trace export off
+//! these spans are disabled: no header is read or written and nothing is allocated for them.
+
+mod forward;
+mod request;
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+use tokio::time::Sleep;
+use tracing::field::Empty;
+use tracing::Span;
+
+use self::forward::Exchange;
+use self::request::{invocation_endpoint, routing_headers};
+use crate::access::{self, Access};
+use crate::config::Config;
+use crate::load::{now_ms, InFlight};
+use crate::metrics::Metrics;
+use crate::placement::{Placement, Route, RouteRequest};
+use crate::prompt::BodyKind;
+use crate::response::{error_response, json_response, ResponseBody};
+use crate::spans::{record_route, record_status};
+use crate::table::RoutingTable;
+
+pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
+pub const X_TARGET_VARIANT: HeaderName = HeaderName::from_static("x-target-variant");
+pub const X_PREFIX_AWARE_ID: HeaderName = HeaderName::from_static("x-prefix-aware-id");
+pub const X_INSTANCE: HeaderName = HeaderName::from_static("x-prefix-router-instance");
+pub const X_VARIANT: HeaderName = HeaderName::from_static("x-prefix-router-variant");
+pub const X_TABLE_VERSION: HeaderName = HeaderName::from_static("x-prefix-router-table-version");
+pub const X_DECISION: HeaderName = HeaderName::from_static("x-prefix-router-decision");
+
+/// How long a request that arrives before the router's first table waits for it.
+pub(crate) const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
+
+/// Shared router state: the current table, placement policy, metrics. (Upstream connections are
+/// kept per instance, in its state: see [`upstream`].)
+pub(crate) struct Router {
+    pub(crate) table: ArcSwapOption<RoutingTable>,
+    /// Notified whenever a table is stored (requests that came before the first one wait).
+    pub(crate) table_applied: tokio::sync::Notify,
+    pub(crate) placement: Placement,
+    pub(crate) metrics: Metrics,
+    pub(crate) access: Access,
+    /// TLS towards `https://` instances.
+    upstream_tls: tokio_rustls::TlsConnector,
+    max_body_bytes: usize,
+    request_timeout: Duration,
+    body_read_timeout: Duration,
+}
+
+/// A request to proxy, as dispatch found it: the body's kind, the endpoint named by the path
+/// (`/endpoints/{name}/invocations`), and the path the instance receives.
+struct Call {
+    req: Request<Incoming>,
+    kind: BodyKind,
+    path_endpoint: Option<String>,
+    upstream_path: PathAndQuery,
+}
+
+impl Router {
+    pub(crate) fn new(
+        config: &Config,
+        access: Access,
+        upstream_tls: tokio_rustls::TlsConnector,
+    ) -> Self {
+        Router {
+            table: ArcSwapOption::empty(),
+            table_applied: tokio::sync::Notify::new(),
+            placement: Placement::new(
+                config.prefix_index_capacity,
+                config.hash_balance_factor,
+                config.default_endpoint.clone(),
+            )
+            .with_hot_key_spread(config.hot_key_spread),
+            metrics: Metrics::with_workers(config.resolved_workers()),
+            access,
+            upstream_tls,
+            max_body_bytes: config.max_body_bytes,
+            request_timeout: config.request_timeout(),
+            body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
+        }
+    }
+
+    pub(crate) async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: std::net::IpAddr,
+    ) -> Result<Response<ResponseBody>, Infallible> {
+        let path = req.uri().path();
+        if !access::is_open_path(path) {
+            if let Err(refusal) = self.access.authenticate(req.headers(), peer) {
+                if matches!(refusal, access::Refusal::Throttled(_)) {
+                    self.metrics.auth_throttled.fetch_add(1, Relaxed);
+                }
+                self.metrics.record_unrouted(refusal.status());
+                return Ok(access::refusal_response(&refusal));
+            }
+        }
+        let response = match path {
+            "/v1/chat/completions" | "/v1/completions" if req.method() != Method::POST => {
+                self.unrouted(None, 405, "use POST", "method_not_allowed")
+            }
+            _ if path.starts_with("/v1/models") && req.method() == Method::GET => self.models(path),
+            // Chat, completions and the rest of the OpenAI surface (embeddings, responses,
+            // tokenize, audio, ...): to an instance of the endpoint chosen by header, `model`
+            // or default.
+            _ if path.starts_with("/v1/") => {
+                let kind = if path == "/v1/responses" {
+                    BodyKind::Responses
+                } else {
+                    BodyKind::OpenAi
+                };
+                let upstream = req
+                    .uri()
+                    .path_and_query()
+                    .cloned()
+                    .unwrap_or_else(|| PathAndQuery::from_static("/"));
+                self.proxy(Call {
+                    req,
+                    kind,
+                    path_endpoint: None,
+                    upstream_path: upstream,
+                })
+                .await
+            }
+            "/healthz" => json_response(200, r#"{"status":"ok"}"#),
+            "/readyz" => match self.table.load().as_ref() {
+                Some(t) => json_response(
+                    200,
+                    format!(r#"{{"status":"ready","table_version":{}}}"#, t.version()),
+                ),
+                None => self.unrouted(
+                    None,
+                    503,
+                    "no routing table applied yet",
+                    "service_unavailable",
+                ),
+            },
+            "/metrics" => {
+                let table = self.table.load_full();
+                let text = self
+                    .metrics
+                    .render(table.as_deref(), self.placement.index().len());
+                let mut r = Response::new(ResponseBody::full(text));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                r
+            }
+            _ => match invocation_endpoint(path) {
+                Some(Ok(name)) if req.method() == Method::POST => {
+                    self.proxy(Call {
+                        req,
+                        kind: BodyKind::Raw,
+                        path_endpoint: Some(name),
+                        upstream_path: PathAndQuery::from_static("/invocations"),
+                    })
+                    .await
+                }
+                Some(Ok(_)) => self.unrouted(None, 405, "use POST", "method_not_allowed"),
+                Some(Err(msg)) => self.unrouted(None, 400, &msg, "invalid_request_error"),
+                None => self.unrouted(
+                    None,
+                    404,
+                    &format!("no route for {path:?}"),
+                    "not_found_error",
+                ),
+            },
+        };
+        Ok(response)
+    }
+
+    /// `GET /v1/models` and `GET /v1/models/{id}` from the table (see [`crate::models`]).
+    fn models(&self, path: &str) -> Response<ResponseBody> {
+        let table = self.table.load();
+        let Some(table) = table.as_deref() else {
+            let msg = "no routing table applied yet";
+            return self.unrouted(None, 503, msg, "service_unavailable");
+        };
+        let body = match path.strip_prefix("/v1/models") {
+            Some("" | "/") => Some(crate::models::list(table)),
+            Some(rest) => rest
+                .strip_prefix('/')
+                .and_then(|id| crate::models::retrieve(table, id)),
+            None => None,
+        };
+        match body {
+            Some(body) => json_response(200, body),
+            None => {
+                let msg = format!("no model {path:?} here: GET /v1/models lists them");
+                self.unrouted(Some(table), 404, &msg, "not_found_error")
+            }
+        }
+    }
+
+    /// Admits the request under `--max-in-flight` (503 past it), then routes and forwards it.
+    async fn proxy(&self, call: Call) -> Response<ResponseBody> {
+        let admission = match self.access.admit() {
+            Ok(a) => a,
+            Err(refusal) => {
+                self.metrics.record_unrouted(503);
+                return access::refusal_response(&refusal);
+            }
+        };
+        let mut response = self.traced_route_and_forward(call).await;
+        response.body_mut().hold(admission);
+        response
+    }
+
+    /// [`Self::route_and_forward`] inside the request's `route` span.
+    async fn traced_route_and_forward(&self, call: Call) -> Response<ResponseBody> {
+        let span = tracing::info_span!(
+            "route",
+            otel.kind = "server",
+            endpoint = Empty,
+            variant = Empty,
+            strategy = Empty,
+            decision = Empty,
+            instance = Empty,
+            prefix_blocks = Empty,
+            table_version = Empty,
+            request_bytes = Empty,
+            status = Empty,
+            otel.status_code = Empty,
+        );
+        if span.is_disabled() {
+            return self.route_and_forward(call, &span).await;
+        }
+        telemetry::propagation::set_parent_from_headers(&span, call.req.headers());
+        let response = self.route_and_forward(call, &span).await;
+        record_status(&span, response.status());
+        response
+    }
+
+    /// A router that has just started (with no `--table-cache`) holds a request until its first
+    /// table arrives, which the control plane sends within milliseconds of the watch opening,
+    /// rather than failing every request of that moment: up to [`FIRST_TABLE_WAIT`] or the
+    /// request's deadline. `None`: still no table.
+    async fn first_table(&self, deadline: Pin<&mut Sleep>) -> Option<Arc<RoutingTable>> {
+        let applied = self.table_applied.notified();
+        tokio::pin!(applied);
+        applied.as_mut().enable(); // registered before the check: a store in between wakes it
+        if let Some(table) = self.table.load_full() {
+            return Some(table);
+        }
+        tokio::select! {
+            () = applied => {}
+            () = deadline => {}
+            () = tokio::time::sleep(FIRST_TABLE_WAIT) => {}
+        }
+        self.table.load_full()
+    }
+
+    async fn route_and_forward(&self, call: Call, span: &Span) -> Response<ResponseBody> {
+        // One timer for the whole request (body read, upstream call, response stream): one
+        // registration with the runtime's timer wheel instead of one per phase.
+        let mut deadline = Box::pin(tokio::time::sleep(self.request_timeout));
+        let table = match self.table.load_full() {
+            Some(table) => Some(table),
+            None => self.first_table(deadline.as_mut()).await,
+        };
+        let Some(table) = table else {
+            return self.unrouted(
+                None,
+                503,
+                "no routing table applied yet",
+                "service_unavailable",
+            );
+        };
+        let (parts, body) = call.req.into_parts();
+        let (endpoint_header, target_variant) = match routing_headers(&parts.headers) {
+            Ok(names) => names,
+            Err(msg) => return self.unrouted(Some(&table), 400, &msg, "invalid_request_error"),
+        };
+        let body = match self
+            .read_body(&table, &parts.headers, body, deadline.as_mut())
+            .await
+        {
+            Ok(body) => body,
+            Err(response) => return response,
+        };
+
+        let started = std::time::Instant::now();
+        let request = RouteRequest {
+            kind: call.kind,
+            body: &body,
+            endpoint: call.path_endpoint.as_deref().or(endpoint_header),
+            target_variant,
+            prefix_aware_id: parts.headers.get(X_PREFIX_AWARE_ID).map(|v| v.as_bytes()),
+        };
+        let route = match self.placement.route(&table, &request) {
+            Ok(route) => route,
+            Err(e) => {
+                let kind = if e.status() == 404 {
+                    "not_found_error"
+                } else {
+                    "service_unavailable"
+                };
+                return self.unrouted(Some(&table), e.status(), &e.to_string(), kind);
+            }
+        };
+        let in_flight = InFlight::start(
+            route.variant.instances()[route.instance].state(),
+            route.variant.load(),
+        );
+        self.metrics.decision.observe(started.elapsed());
+        if !span.is_disabled() {
+            record_route(span, &table, &route, body.len());
+        }
+        let exchange = Exchange {
+            table: &table,
+            parts: &parts,
+            body,
+            upstream_path: &call.upstream_path,
+            span,
+        };
+        self.forward(&exchange, route, in_flight, deadline).await
+    }
+
+    /// A failed exchange, for passive health: ejects the instance after repeated failures.
+    fn count_failure(&self, instance: &crate::table::Instance) {
+        if let Some(length) = instance.state().record_failure(now_ms()) {
+            self.metrics.ejections.fetch_add(1, Relaxed);
+            tracing::warn!(
+                instance = instance.address(),
+                ?length,
+                "instance ejected after repeated failures"
+            );
+        }
+    }
+
+    fn routed_error(
+        &self,
+        table: &RoutingTable,
+        route: &Route<'_>,
+        status: u16,
+        message: &str,
+        kind: &str,
+    ) -> Response<ResponseBody> {
+        route.variant.instances()[route.instance]
+            .stats()
+            .record(route.decision, status);
+        let mut r = error_response(status, message, kind);
+        set_route_headers(r.headers_mut(), table, route);
+        r
+    }
+
+    /// An error answered before any instance was chosen.
+    fn unrouted(
+        &self,
+        table: Option<&RoutingTable>,
+        status: u16,
+        message: &str,
+        kind: &str,
+    ) -> Response<ResponseBody> {
+        self.metrics.record_unrouted(status);
+        let mut r = error_response(status, message, kind);
+        let version = match table {
+            Some(t) => t.version_header().clone(),
+            None => match self.table.load().as_ref() {
+                Some(t) => t.version_header().clone(),
+                None => HeaderValue::from_static("0"),
+            },
+        };
+        r.headers_mut().insert(X_TABLE_VERSION, version);
+        r
+    }
+}
+
+fn set_route_headers(headers: &mut HeaderMap, table: &RoutingTable, route: &Route<'_>) {
+    headers.insert(
+        X_INSTANCE,
+        route.variant.instances()[route.instance].header().clone(),
+    );
+    headers.insert(X_VARIANT, route.variant.header().clone());
+    headers.insert(X_TABLE_VERSION, table.version_header().clone());
+    headers.insert(X_DECISION, route.decision.header());
+}
+
+/// An error and its sources, `: `-separated.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
