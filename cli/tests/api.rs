@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{closed_port, prefixctl, ControlPlane, VARIANTS};
+use common::{prefixctl, ControlPlane, VARIANTS};
 use predicates::prelude::*;
 use serde_json::Value;
 
@@ -565,7 +565,7 @@ fn bad_input_is_a_usage_error_that_names_the_value() {
 
 #[test]
 fn a_control_plane_that_is_down_is_one_line() {
-    let url = format!("http://127.0.0.1:{}", closed_port());
+    let url = format!("http://127.0.0.1:{}", test_support::unused_port());
     let out = prefixctl()
         .args(["endpoint", "list", "--control-plane", &url])
         .output()

@@ -2,44 +2,22 @@
 //! summed into one JSON document, a router that does not answer named on stderr, and a failure
 //! only when none answers.
 
-use std::io::{Read as _, Write as _};
-use std::net::TcpListener;
-
 use assert_cmd::Command;
 use serde_json::Value;
+use test_support::{unused_port, HttpStub, StubReply};
 
-/// Serves `body` as `GET /metrics` (any request) on 127.0.0.1:0 from a thread, until the test
-/// process ends; returns its base URL.
-fn serve_metrics(body: &'static str) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut request = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                match stream.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => request.extend_from_slice(&buf[..n]),
-                }
-            }
-            let _ = write!(
-                stream,
-                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-        }
-    });
-    url
+/// Serves `body` as `GET /metrics` (any request) on 127.0.0.1:0 until dropped.
+fn serve_metrics(body: &'static str) -> HttpStub {
+    HttpStub::start(move |_| {
+        StubReply::new(200, "text/plain; version=0.0.4", body)
+            .header("connection", "close")
+            .then_close()
+    })
 }
 
 /// A loopback URL nothing listens on.
 fn closed_url() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    drop(listener);
-    url
+    format!("http://127.0.0.1:{}", unused_port())
 }
 
 const ROUTER_A: &str = r#"# HELP prefix_router_requests_total Requests by endpoint, variant, instance, routing decision and response status.
@@ -76,17 +54,14 @@ prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://1
 
 #[test]
 fn once_sums_two_routers_into_one_json_document_and_names_the_one_that_is_down() {
-    let (a, b, down) = (
-        serve_metrics(ROUTER_A),
-        serve_metrics(ROUTER_B),
-        closed_url(),
-    );
+    let (a, b) = (serve_metrics(ROUTER_A), serve_metrics(ROUTER_B));
+    let down = closed_url();
     let out = Command::cargo_bin("prefixctl")
         .unwrap()
         .args([
             "top",
             "--router-url",
-            &format!("{a},{b}/"),
+            &format!("{},{}/", a.url, b.url),
             "--router-url",
             &down,
             "--once",
@@ -171,7 +146,7 @@ fn once_prints_a_table_and_fails_only_when_no_router_answers() {
     let a = serve_metrics(ROUTER_A);
     let out = Command::cargo_bin("prefixctl")
         .unwrap()
-        .args(["top", "--router-url", &a, "--once"])
+        .args(["top", "--router-url", &a.url, "--once"])
         .timeout(std::time::Duration::from_secs(30))
         .output()
         .unwrap();

@@ -11,6 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use test_support::wait_for_blocking;
 
 /// A running `prefixctl up`, killed on drop if the test failed before stopping it.
 struct Up {
@@ -245,30 +246,22 @@ fn up_serves_swaps_strategy_live_and_stops_on_sigint() {
         ],
     );
     let version = u["RoutingTableVersion"].as_u64().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let d = prefixctl(
-            &control_plane,
-            &token,
-            &["endpoint", "describe", "--endpoint-name", "default"],
-        );
-        let node = d["DataPlanes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|n| n["NodeId"] == "prefixctl-up")
-            .cloned();
-        if node
-            .is_some_and(|n| n["AppliedVersion"].as_u64() >= Some(version) && n["UpToDate"] == true)
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the data plane did not apply version {version}: {d}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_blocking(
+        &format!("the data plane to apply version {version}"),
+        Duration::from_secs(20),
+        || {
+            let d = prefixctl(
+                &control_plane,
+                &token,
+                &["endpoint", "describe", "--endpoint-name", "default"],
+            );
+            d["DataPlanes"].as_array().unwrap().iter().any(|n| {
+                n["NodeId"] == "prefixctl-up"
+                    && n["AppliedVersion"].as_u64() >= Some(version)
+                    && n["UpToDate"] == true
+            })
+        },
+    );
     let (status, headers, _) = chat(&data_plane, "Hello again, now with prefix-aware routing.");
     assert!(status.starts_with("HTTP/1.1 200"), "{status}");
     let decision = header(&headers, "x-prefix-router-decision")

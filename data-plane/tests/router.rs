@@ -16,6 +16,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use proto::RoutingStrategy;
 use support::*;
+use test_support::{wait_for, HttpStub, StubReply};
 
 #[tokio::test]
 async fn proxies_with_contract_headers_and_acks_each_table() {
@@ -307,13 +308,13 @@ async fn least_outstanding_counts_until_the_body_ends() {
     let url = router.url("/v1/completions");
     let body = r#"{"model":"e","prompt":"p"}"#;
     let first = spawn_post(&url, &[], body);
-    wait_until("one backend holds a request", || async {
+    wait_for("one backend holds a request", WAIT, || async {
         b[0].active() + b[1].active() == 1
     })
     .await;
     let busy = if b[0].active() == 1 { 0 } else { 1 };
     let second = spawn_post(&url, &[], body);
-    wait_until("the idle backend gets the second request", || async {
+    wait_for("the idle backend gets the second request", WAIT, || async {
         b[1 - busy].active() == 1
     })
     .await;
@@ -341,10 +342,14 @@ async fn least_outstanding_counts_until_the_body_ends() {
     let m = router.metrics().await;
     assert!(m.contains(&format!("instance=\"{instance}\"}} 1\n")), "{m}");
     drop(resp); // client gone mid-stream
-    wait_until("in-flight back to 0 after the client left", || async {
-        let m = router.metrics().await;
-        m.contains(&format!("instance=\"{instance}\"}} 0\n"))
-    })
+    wait_for(
+        "in-flight back to 0 after the client left",
+        WAIT,
+        || async {
+            let m = router.metrics().await;
+            m.contains(&format!("instance=\"{instance}\"}} 0\n"))
+        },
+    )
     .await;
 }
 
@@ -361,13 +366,13 @@ async fn overload_bypass_at_the_concurrency_threshold() {
     let url = router.url("/v1/chat/completions");
     let body = chat(&[("user", "the same long document")]);
     let first = spawn_post(&url, &[], body.clone());
-    wait_until("the first request is held", || async {
+    wait_for("the first request is held", WAIT, || async {
         b.iter().map(|x| x.active()).sum::<u64>() == 1
     })
     .await;
     let holder = b.iter().position(|x| x.active() == 1).unwrap();
     let second = spawn_post(&url, &[], body.clone());
-    wait_until("the second request is held", || async {
+    wait_for("the second request is held", WAIT, || async {
         b.iter().map(|x| x.active()).sum::<u64>() == 2
     })
     .await;
@@ -442,7 +447,7 @@ async fn table_swap_under_load_loses_no_request() {
         cp.push(simple_table(v, configs[v as usize % 4], &members));
         cp.ack(v).await;
         let before = done.load(SeqCst);
-        wait_until("requests flow on the new table", || {
+        wait_for("requests flow on the new table", WAIT, || {
             let done = done.clone();
             async move { done.load(SeqCst) >= before + 5 }
         })
@@ -529,12 +534,16 @@ async fn routing_continues_without_the_control_plane_and_resumes_when_it_returns
     let router = RouterHandle::watching(&cp, "r").await;
     cp.ack(1).await;
     let addr = cp.stop().await;
-    wait_until("the router notices the control plane is gone", || async {
-        router
-            .metrics()
-            .await
-            .contains("prefix_router_control_plane_connected 0\n")
-    })
+    wait_for(
+        "the router notices the control plane is gone",
+        WAIT,
+        || async {
+            router
+                .metrics()
+                .await
+                .contains("prefix_router_control_plane_connected 0\n")
+        },
+    )
     .await;
     for i in 0..20 {
         let r = post(
@@ -575,12 +584,15 @@ async fn table_cache_lets_a_restarted_router_serve_before_the_control_plane_is_b
     };
     let router = RouterHandle::start(config.clone()).await;
     cp.ack(7).await;
-    wait_until("the cache file is written", || async { cache.exists() }).await;
+    wait_for("the cache file is written", WAIT, || async {
+        cache.exists()
+    })
+    .await;
     router.shutdown().await;
     cp.stop().await;
 
     let offline = Config {
-        control_plane: dead_url().await,
+        control_plane: dead_url(),
         ..config
     };
     let router = RouterHandle::start(offline.clone()).await;
@@ -697,15 +709,16 @@ async fn engines_cache_reports_are_counted_as_they_pass_unchanged() {
             .and_then(|l| l.rsplit(' ').next()?.parse().ok())
     };
     // the report is learned when the body ends, which the client sees at the same moment
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let metrics = loop {
-        let metrics = router.metrics().await;
-        if sample(&metrics, "prefix_router_prompt_tokens_total") == Some(2660.0) {
-            break metrics;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{metrics}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let metrics = wait_for(
+        "the request's prompt tokens in the metrics",
+        WAIT,
+        || async {
+            let metrics = router.metrics().await;
+            (sample(&metrics, "prefix_router_prompt_tokens_total") == Some(2660.0))
+                .then_some(metrics)
+        },
+    )
+    .await;
     assert_eq!(
         sample(&metrics, "prefix_router_cached_prompt_tokens_total"),
         Some(2504.0),
@@ -724,7 +737,7 @@ async fn engines_cache_reports_are_counted_as_they_pass_unchanged() {
 async fn error_paths_answer_json_with_their_status() {
     // no table yet: 503
     let router = RouterHandle::start(Config {
-        control_plane: dead_url().await,
+        control_plane: dead_url(),
         max_body_bytes: 1024,
         request_timeout_ms: 500,
         ..Config::default()
@@ -739,7 +752,7 @@ async fn error_paths_answer_json_with_their_status() {
     let cp = MockControlPlane::start().await;
     let ok = Backend::start("ok").await;
     let held = Backend::start_with("held", Behavior::Hold).await;
-    let dead = dead_url().await;
+    let dead = dead_url();
     let random = || strategy(RoutingStrategy::Random);
     cp.push(table(
         1,
@@ -855,7 +868,7 @@ async fn failed_instances_are_retried_once_then_ejected() {
     let cp = MockControlPlane::start().await;
     let good = Backend::start("good").await;
     let bad = Backend::start_with("bad", Behavior::Status(500)).await;
-    let dead = dead_url().await;
+    let dead = dead_url();
     cp.push(simple_table(
         1,
         strategy(RoutingStrategy::Random),
@@ -964,11 +977,11 @@ async fn shutdown_drains_in_flight_requests() {
         &[],
         r#"{"model":"e","prompt":"x"}"#,
     );
-    wait_until("the request is held", || async { b.active() == 1 }).await;
+    wait_for("the request is held", WAIT, || async { b.active() == 1 }).await;
     let serve = router.begin_shutdown();
     // no new connections once draining
     let addr = router.addr;
-    wait_until("the listener is closed", || async {
+    wait_for("the listener is closed", WAIT, || async {
         tokio::net::TcpStream::connect(addr).await.is_err()
     })
     .await;
@@ -1003,7 +1016,7 @@ async fn shutdown_answers_the_first_request_of_a_connection_opened_before_it() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     let serve = router.begin_shutdown();
     let addr = router.addr;
-    wait_until("the listener is closed", || async {
+    wait_for("the listener is closed", WAIT, || async {
         tokio::net::TcpStream::connect(addr).await.is_err()
     })
     .await;
@@ -1031,64 +1044,26 @@ async fn shutdown_answers_the_first_request_of_a_connection_opened_before_it() {
         .unwrap();
 }
 
-/// A raw HTTP/1.1 model server: answers each request with a keep-alive 200 and then, if
-/// `close_after_reply`, closes the connection without saying so (as a server whose keep-alive
-/// timeout ran out does). Returns its URL and the count of connections it accepted.
-async fn raw_backend(close_after_reply: bool) -> (String, Arc<AtomicU64>) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let accepted = Arc::new(AtomicU64::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            count.fetch_add(1, SeqCst);
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                loop {
-                    // One request: the head, then content-length bytes of body.
-                    let mut chunk = [0u8; 4096];
-                    let (head_end, length) = loop {
-                        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                            let length: usize = head
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .map_or(0, |v| v.trim().parse().unwrap());
-                            break (end + 4, length);
-                        }
-                        match stream.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    while buf.len() < head_end + length {
-                        match stream.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    buf.drain(..head_end + length);
-                    let body = r#"{"ok":true}"#;
-                    let reply = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if stream.write_all(reply.as_bytes()).await.is_err() || close_after_reply {
-                        return;
-                    }
-                }
-            });
+/// A raw HTTP/1.1 model server answering each request with a keep-alive 200 and then, if
+/// `close_after_reply`, closing the connection without saying so (as a server whose keep-alive
+/// timeout ran out does).
+fn raw_backend(close_after_reply: bool) -> HttpStub {
+    HttpStub::start(move |_| {
+        let reply = StubReply::json(r#"{"ok":true}"#);
+        if close_after_reply {
+            reply.then_close()
+        } else {
+            reply
         }
-    });
-    (url, accepted)
+    })
 }
 
 #[tokio::test]
 async fn upstream_connections_are_reused_and_replaced_once_the_server_closes_them() {
     let cp = MockControlPlane::start().await;
-    let (keep_url, keep_conns) = raw_backend(false).await;
-    let (close_url, close_conns) = raw_backend(true).await;
+    let keep = raw_backend(false);
+    let close = raw_backend(true);
+    let (keep_url, close_url) = (keep.url.clone(), close.url.clone());
     cp.push(table(
         1,
         vec![
@@ -1125,7 +1100,7 @@ async fn upstream_connections_are_reused_and_replaced_once_the_server_closes_the
         .await;
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    assert_eq!(keep_conns.load(SeqCst), 1);
+    assert_eq!(keep.accepted(), 1);
 
     // closed after each reply: each request gets a new connection, and the closed one is neither
     // an error for the client nor a failure of the instance
@@ -1138,11 +1113,14 @@ async fn upstream_connections_are_reused_and_replaced_once_the_server_closes_the
         .await;
         assert_eq!(r.status, 200, "{}", r.text());
         if i % 3 == 0 {
-            // and when the close has long arrived before the next request
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            // and when the close was sent well before the next request
+            wait_for("the backend to close the connection", WAIT, || async {
+                close.closed() == i + 1
+            })
+            .await;
         }
     }
-    assert_eq!(close_conns.load(SeqCst), 10);
+    assert_eq!(close.accepted(), 10);
     let m = router.metrics().await;
     assert!(m.contains("prefix_router_retries_total 0\n"), "{m}");
     assert!(m.contains("prefix_router_ejections_total 0\n"), "{m}");
@@ -1180,7 +1158,7 @@ async fn connections_are_spread_evenly_over_the_worker_threads() {
             })
             .collect()
     };
-    wait_until("only the metrics connection is open", || async {
+    wait_for("only the metrics connection is open", WAIT, || async {
         open(&metrics().await).iter().sum::<u64>() == 1
     })
     .await;

@@ -19,26 +19,12 @@ async fn breaking_server(content_type: &'static str, first: &'static str, close:
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 16 << 10];
                 let mut seen = Vec::new();
-                // the request: its head and a body of content-length bytes
-                loop {
-                    let n = match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    seen.extend_from_slice(&buf[..n]);
-                    let text = String::from_utf8_lossy(&seen).to_lowercase();
-                    if let Some(end) = text.find("\r\n\r\n") {
-                        let len: usize = text[..end]
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if seen.len() >= end + 4 + len {
-                            break;
-                        }
-                    }
+                if test_support::http_stub::read_request(&mut s, &mut seen)
+                    .await
+                    .is_none()
+                {
+                    return;
                 }
                 let mut reply = format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -49,7 +35,7 @@ async fn breaking_server(content_type: &'static str, first: &'static str, close:
                 if s.write_all(reply.as_bytes()).await.is_err() || close {
                     return;
                 }
-                let _ = s.read(&mut buf).await; // held until the router gives up
+                let _ = s.read(&mut [0u8; 1]).await; // held until the router gives up
             });
         }
     });

@@ -123,7 +123,10 @@ pub(crate) async fn read_json(
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413.
-pub(crate) async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<ResponseBody>> {
+pub(crate) async fn read_body(
+    req: Request<Incoming>,
+    limit: usize,
+) -> Result<Bytes, Response<ResponseBody>> {
     let too_large = || {
         error(
             StatusCode::PAYLOAD_TOO_LARGE,

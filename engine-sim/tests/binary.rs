@@ -1,8 +1,10 @@
 //! The `engine-sim` binary itself: --help, a taken port, serving until SIGTERM.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::io::{Read, Write};
+use std::process::Command;
+use std::time::Duration;
+
+use test_support::{wait_for_blocking, ChildServer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_engine-sim");
 
@@ -48,31 +50,23 @@ fn a_taken_port_is_one_clear_line_and_a_failure_exit() {
 
 #[test]
 fn serves_then_exits_cleanly_on_sigterm() {
-    let mut child = Command::new(BIN)
-        .args(["--listen", "127.0.0.1:0", "--time-scale", "0.01"])
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(
-            stderr.read_line(&mut line).unwrap() > 0,
-            "exited before listening"
-        );
-        if let Some(rest) = line.split("addr=").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-    };
+    let mut server = ChildServer::start_with_env(
+        "engine-sim",
+        &["--time-scale", "0.01"],
+        &[("RUST_LOG", "info")],
+    )
+    .unwrap();
+    let logs = server.logs();
     assert!(
-        !line.contains('\u{1b}'),
-        "no colour codes when stderr is not a terminal"
+        logs.contains("addr="),
+        "the info line names the address: {logs}"
+    );
+    assert!(
+        !logs.contains('\u{1b}'),
+        "no colour codes when stderr is not a terminal: {logs}"
     );
 
-    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    let mut conn = std::net::TcpStream::connect(server.addr).unwrap();
     conn.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut resp = String::new();
@@ -80,17 +74,12 @@ fn serves_then_exits_cleanly_on_sigterm() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
 
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &server.child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let exit = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "no exit 10 s after SIGTERM");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let exit = wait_for_blocking("the exit after SIGTERM", Duration::from_secs(10), || {
+        server.child.try_wait().unwrap()
+    });
     assert!(exit.success(), "{exit:?}");
 }

@@ -3,13 +3,14 @@
 mod common;
 
 use bytes::Bytes;
-use common::{chat, fast_config, parse_metrics, wait_for, TestServer};
+use common::{chat, fast_config, parse_metrics, TestServer};
 use engine_sim::{canonical_prompt, Config};
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
+use test_support::wait_for;
 
 fn system_prompt() -> String {
     // ~4 KB, not a multiple of the 64-byte block.
@@ -496,10 +497,14 @@ async fn a_client_that_goes_away_frees_its_slot_and_blocks() {
         "its 100 blocks are pinned"
     );
     drop(stream);
-    wait_for("the aborted request to be released", || {
-        let s = engine.stats();
-        s.running == 0 && s.kv_cache_usage == 0.0
-    })
+    wait_for(
+        "the aborted request to be released",
+        std::time::Duration::from_secs(10),
+        || async {
+            let s = engine.stats();
+            s.running == 0 && s.kv_cache_usage == 0.0
+        },
+    )
     .await;
     assert_eq!(engine.stats().cached_blocks, 100, "its blocks stay cached");
     server.stop().await;

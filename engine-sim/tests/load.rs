@@ -3,15 +3,14 @@
 //!
 //! Run: `cargo test -p engine-sim --test load -- --ignored --nocapture` (Linux: reads /proc).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use test_support::{wait_for, ChildServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_engine-sim");
 const STREAMS: usize = 2000;
 
 /// CPU seconds (user + system) the process has used, from /proc/PID/stat.
@@ -59,22 +58,14 @@ async fn cpu_percent_over(pid: u32, window: Duration) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement of ~30 s; run with --ignored --nocapture"]
 async fn holds_2000_concurrent_streams() {
-    let mut child = Command::new(BIN)
-        .args(["--listen", "127.0.0.1:0", "--max-num-seqs", "4096"])
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0);
-        if let Some(rest) = line.split("addr=").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-    };
+    let mut server = ChildServer::start_with_env(
+        "engine-sim",
+        &["--max-num-seqs", "4096"],
+        &[("RUST_LOG", "info")],
+    )
+    .unwrap();
+    let pid = server.child.id();
+    let addr = server.addr.to_string();
 
     let idle_before = cpu_percent_over(pid, Duration::from_secs(2)).await;
     let done = Arc::new(AtomicUsize::new(0));
@@ -117,15 +108,12 @@ async fn holds_2000_concurrent_streams() {
         }));
     }
     // Wait until the engine runs them all at once.
-    let mut running = 0.0;
-    while running < STREAMS as f64 {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "only {running} running"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        running = metric(&addr, "vllm:num_requests_running").await;
-    }
+    wait_for(
+        "the engine to run every stream at once",
+        Duration::from_secs(30),
+        || async { metric(&addr, "vllm:num_requests_running").await >= STREAMS as f64 },
+    )
+    .await;
     let ramp = started.elapsed();
     let busy = cpu_percent_over(pid, Duration::from_secs(3)).await;
     let still_running = metric(&addr, "vllm:num_requests_running").await;
@@ -146,5 +134,5 @@ async fn holds_2000_concurrent_streams() {
     let _ = Command::new("kill")
         .args(["-TERM", &pid.to_string()])
         .status();
-    let _ = child.wait();
+    let _ = server.child.wait();
 }

@@ -1,7 +1,7 @@
 //! The official OpenAI Python client against the engine: if it accepts our responses, a router
-//! cannot tell the engine from a real OpenAI-compatible server. Skipped (with the reason printed)
-//! when python3 or the `openai` package is missing, and failed for it under `CI=true` (CI
-//! installs it).
+//! cannot tell the engine from a real OpenAI-compatible server. Skipped through
+//! `test_support::skip` (so the run's summary names it) when python3 or the `openai` package is
+//! missing, and failed for it under `CI=true` (CI installs it).
 
 mod common;
 
@@ -70,25 +70,11 @@ print("openai client ok")
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_openai_python_client_accepts_the_engine() {
-    match Command::new("python3")
-        .args(["-c", "import openai"])
-        .output()
-    {
-        Err(e) => {
-            return skip(&format!(
-                "python3 is not runnable ({e}); CI runs `pip install openai`"
-            ));
-        }
-        Ok(out) if !out.status.success() => {
-            return skip(&format!(
-                "the python `openai` package is not installed (pip install openai): {}",
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            ));
-        }
-        Ok(_) => {}
+    let test = "the_official_openai_python_client_accepts_the_engine";
+    let openai =
+        test_support::python_modules(&["openai"]).map_err(|e| format!("{e} (pip install openai)"));
+    if test_support::require_tool(test, openai).is_none() {
+        return;
     }
     let server = TestServer::start(fast_config()).await;
     let base = format!("http://{}", server.addr);
@@ -109,12 +95,4 @@ async fn the_official_openai_python_client_accepts_the_engine() {
         "openai client ok"
     );
     server.stop().await;
-}
-
-/// A missing tool skips the test here, and fails it in CI (`CI=true`), which installs it.
-fn skip(why: &str) {
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("CI=true, and {why}");
-    }
-    eprintln!("SKIPPED: {why}");
 }

@@ -6,12 +6,13 @@
 
 use std::time::Duration;
 
-use crate::{variant, wait_for, Backend, InProcessControlPlane};
+use crate::{variant, Backend, InProcessControlPlane};
 use futures_util::StreamExt;
 use prost::Message;
 use proto::control_plane_client::ControlPlaneClient;
 use proto::routing_discovery_client::RoutingDiscoveryClient;
 use proto::*;
+use test_support::wait_for;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;

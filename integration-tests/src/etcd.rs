@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-/// Whether the `etcd` server binary runs here (for [`crate::require_tool`]).
+/// Whether the `etcd` server binary runs here (for [`test_support::require_tool`]).
 pub fn available() -> Result<(), String> {
     match Command::new("etcd").arg("--version").output() {
         Ok(out) if out.status.success() => Ok(()),
@@ -173,7 +173,7 @@ impl EtcdCluster {
 
     /// Waits until every running member reports itself healthy (it has a leader).
     pub async fn wait_healthy(&self) {
-        crate::wait_for("etcd to be healthy", Duration::from_secs(30), || async {
+        test_support::wait_for("etcd to be healthy", Duration::from_secs(30), || async {
             self.all_healthy().await.then_some(())
         })
         .await;

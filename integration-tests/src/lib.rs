@@ -1,13 +1,13 @@
-//! Shared helpers for the integration tests: start the real servers (in-process on
-//! `127.0.0.1:0`, or as child processes of the built binaries) and build API requests.
+//! Shared helpers for the integration tests: start the real servers in-process on
+//! `127.0.0.1:0` and build API requests. The helpers every test crate shares (waiting on a
+//! condition, child processes on port 0, the skip policy) are in `test-support`.
 
 pub mod contract;
 pub mod etcd;
 pub mod fault;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
 use proto::control_plane_client::ControlPlaneClient;
@@ -151,102 +151,6 @@ impl Drop for InProcessControlPlane {
     }
 }
 
-/// Path of a workspace binary built next to the test executable (`cargo build --workspace` first).
-pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is not built: run `cargo build --workspace --bins` before the tests",
-        path.display()
-    );
-    path
-}
-
-/// A server binary running as a child process; killed on drop.
-pub struct ChildServer {
-    pub child: Child,
-    pub addr: SocketAddr,
-    /// Everything the child wrote to stderr so far.
-    pub logs: std::sync::Arc<std::sync::Mutex<String>>,
-}
-
-impl ChildServer {
-    /// Starts `bin` with `args` plus `--listen 127.0.0.1:0` and waits for its
-    /// `NAME listening on ADDR` line on stderr.
-    pub fn start(name: &str, args: &[&str]) -> anyhow::Result<Self> {
-        Self::start_with_env(name, args, &[])
-    }
-
-    /// [`Self::start`] with extra environment variables (e.g. `RUST_LOG`).
-    pub fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
-        Self::start_listening(name, "127.0.0.1:0", args, env)
-    }
-
-    /// [`Self::start_with_env`] on a given `--listen` address (e.g. the port of a server that
-    /// just stopped, to restart it where its clients look for it).
-    pub fn start_listening(
-        name: &str,
-        listen: &str,
-        args: &[&str],
-        env: &[(&str, &str)],
-    ) -> anyhow::Result<Self> {
-        use std::io::{BufRead, BufReader};
-        let mut child = Command::new(bin(name))
-            .args(args)
-            .args(["--listen", listen])
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let stderr = child.stderr.take().expect("piped stderr");
-        let mut lines = BufReader::new(stderr).lines();
-        let needle = format!("{name} listening on ");
-        let logs = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let keep = |logs: &std::sync::Mutex<String>, line: &str| {
-            let mut l = logs.lock().unwrap_or_else(|e| e.into_inner());
-            l.push_str(line);
-            l.push('\n');
-        };
-        for line in lines.by_ref() {
-            let line = line?;
-            keep(&logs, &line);
-            if let Some(rest) = line.split(&needle).nth(1) {
-                let addr: SocketAddr = rest.trim().parse()?;
-                // Keep draining stderr so the child never blocks on a full pipe.
-                let kept = logs.clone();
-                std::thread::spawn(move || {
-                    for line in lines.map_while(Result::ok) {
-                        keep(&kept, &line);
-                    }
-                });
-                return Ok(Self { child, addr, logs });
-            }
-        }
-        let status = child.wait()?;
-        let logs = logs.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        anyhow::bail!("{name} exited ({status}) before it listened: {logs}")
-    }
-
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// SIGKILL: no chance to flush or clean up.
-    pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for ChildServer {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
 /// A production variant with the given strategy over `instances`.
 pub fn variant(name: &str, strategy: RoutingStrategy, instances: &[&str]) -> ProductionVariant {
     ProductionVariant {
@@ -266,64 +170,13 @@ pub fn variant(name: &str, strategy: RoutingStrategy, instances: &[&str]) -> Pro
     }
 }
 
-/// Polls `check` until it returns `Some`, failing after `limit`.
-pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Whether a test that needs an outside tool may run: `Ok(())` when `available`, else the reason.
-/// Under `CI=true` a missing tool fails the test (CI installs it); elsewhere the test prints
-/// `SKIPPED: ...` and returns.
-pub fn require_tool(test: &str, available: Result<(), String>) -> bool {
-    match available {
-        Ok(()) => true,
-        Err(reason) if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!("{test}: {reason} (CI=true: .ci/run installs it)")
-        }
-        Err(reason) => {
-            eprintln!("SKIPPED {test}: {reason}");
-            false
-        }
-    }
-}
-
-/// `Ok(())` when `python3` runs and imports every one of `modules`, else why not.
-pub fn python_modules(modules: &[&str]) -> Result<(), String> {
-    let import = format!("import {}", modules.join(", "));
-    match Command::new("python3").args(["-c", &import]).output() {
-        Err(e) => Err(format!("python3 is not runnable: {e}")),
-        Ok(out) if !out.status.success() => Err(format!(
-            "python3 cannot `{import}`: {}",
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-        )),
-        Ok(_) => Ok(()),
-    }
-}
-
 /// Checks of deployment files (docker-compose.yml, deploy/kubernetes) against the binaries: the
 /// flags their `--help` lists, the ports their listen flags name.
 pub mod deploy {
     use std::path::PathBuf;
     use std::process::Command;
 
-    use super::bin;
+    use test_support::bin;
 
     /// Our binaries, as the image ships them (the Dockerfile copies each into /usr/local/bin).
     pub const BINARIES: [&str; 4] = ["control-plane", "data-plane", "engine-sim", "prefixctl"];

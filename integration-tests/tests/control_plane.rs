@@ -2,9 +2,10 @@
 //! what only sled has: durability across a SIGKILL and one process per data dir.
 
 use integration_tests::contract::{describe_endpoint, endpoint_ep_over_a, update_config, A, B};
-use integration_tests::{variant, Backend, ChildServer};
+use integration_tests::{variant, Backend};
 use proto::control_plane_client::ControlPlaneClient;
 use proto::*;
+use test_support::ChildServer;
 
 async fn on_sled<F: std::future::Future<Output = ()>>(case: impl FnOnce(Backend) -> F) {
     case(Backend::Sled).await
@@ -48,7 +49,7 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
 
     // A second control plane on the same data dir is refused with one clear line: it never says
     // it listens (the store opens first), and the cause is named once.
-    let out = std::process::Command::new(integration_tests::bin("control-plane"))
+    let out = std::process::Command::new(test_support::bin("control-plane"))
         .args(["--data-dir", data, "--listen", "127.0.0.1:0"])
         .output()
         .unwrap();
@@ -95,7 +96,7 @@ async fn sigkill_and_restart_keep_everything_and_the_version_counter() {
     );
 
     // The port taken: one clear line, non-zero exit.
-    let out = std::process::Command::new(integration_tests::bin("control-plane"))
+    let out = std::process::Command::new(test_support::bin("control-plane"))
         .args([
             "--data-dir",
             dir.path().join("other").to_str().unwrap(),

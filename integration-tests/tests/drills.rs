@@ -19,9 +19,9 @@ use fleet::{
     ENDPOINT as ENDPOINT_CONFIG,
 };
 use integration_tests::fault::Fault;
-use integration_tests::wait_for;
 use proto::RoutingStrategy;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use test_support::wait_for;
+use tokio::io::AsyncWriteExt as _;
 
 /// Keys the drills use: few enough that every key stays cold (placed by its rendezvous ranking
 /// alone) for the length of a drill.
@@ -293,30 +293,11 @@ async fn garbage_server(mode: Garbage) -> std::net::SocketAddr {
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 << 10];
                 let mut seen = Vec::new();
-                loop {
-                    // read one request (head and its content-length body)
-                    let n = match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    seen.extend_from_slice(&buf[..n]);
-                    let Some(head_end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&seen[..head_end]).to_lowercase();
-                    let len: usize = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .and_then(|v| v.trim().parse().ok())
-                        .unwrap_or(0);
-                    if seen.len() < head_end + 4 + len {
-                        continue;
-                    }
-                    let stream = String::from_utf8_lossy(&seen[head_end + 4..head_end + 4 + len])
-                        .contains("\"stream\":true");
-                    seen.drain(..head_end + 4 + len);
+                while let Some(request) =
+                    test_support::http_stub::read_request(&mut s, &mut seen).await
+                {
+                    let stream = String::from_utf8_lossy(&request.body).contains("\"stream\":true");
                     let reply: &[u8] = match mode {
                         Garbage::Invalid => b"SPDY/9 wat\r\n\x00\x01garbage\r\n\r\n",
                         Garbage::ServerError => b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 52\r\n\r\n{\"error\":{\"message\":\"boom\",\"type\":\"server_error\"}}  ",
@@ -593,14 +574,15 @@ impl Drop for SmallDisk {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_disk_full() {
     use futures_util::StreamExt as _;
-    use integration_tests::{variant, ChildServer};
+    use integration_tests::variant;
     use proto::control_plane_client::ControlPlaneClient;
+    use test_support::ChildServer;
     tokio::time::timeout(Duration::from_secs(120), async {
         let dir = tempfile::tempdir().unwrap();
         let disk = match SmallDisk::mount(dir.path().join("disk"), "16m") {
             Ok(d) => d,
             Err(reason) => {
-                assert!(!integration_tests::require_tool("control_plane_disk_full", Err(reason)));
+                test_support::skip("control_plane_disk_full", &reason);
                 return;
             }
         };

@@ -21,9 +21,9 @@ use std::process::Command;
 use integration_tests::deploy::{
     flag_value, flags, help, help_has_env, help_has_flag, port_of, repo_file, BINARIES, SDK_ENV,
 };
-use integration_tests::{python_modules, require_tool, ChildServer};
 use manifests::strings;
 use serde_yaml_ng::Value;
+use test_support::{python_modules, require_tool, ChildServer};
 
 mod manifests;
 
@@ -276,10 +276,12 @@ fn validate(objects: &[Value]) -> (Vec<String>, usize) {
 
 #[test]
 fn every_rendered_object_passes_the_kubernetes_schemas() {
-    if !require_tool(
+    if require_tool(
         "kubernetes schema validation",
         python_modules(&["kubernetes_validate"]),
-    ) {
+    )
+    .is_none()
+    {
         return;
     }
     for install in INSTALLS {
@@ -1359,7 +1361,7 @@ impl<'a> LocalCluster<'a> {
                 arg = arg.replace(&format!("$({var})"), value);
             }
             if BINARIES.contains(&arg.as_str()) {
-                arg = integration_tests::bin(&arg).display().to_string();
+                arg = test_support::bin(&arg).display().to_string();
             }
             // URLs, and bare listen addresses.
             let mut localized = String::new();
@@ -1607,7 +1609,7 @@ fn both_installs_start_from_their_own_command_lines_and_pass_their_probes() {
                 .output()
                 .map_err(|e| format!("no etcd to run the etcd members with ({e})"))
                 .map(|_| ());
-            if !require_tool(&format!("{install} on this machine"), etcd) {
+            if require_tool(&format!("{install} on this machine"), etcd).is_none() {
                 continue;
             }
         }

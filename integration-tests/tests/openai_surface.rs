@@ -148,7 +148,7 @@ print("openai client ok")
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_openai_python_client_through_the_data_plane() {
     let test = "the_official_openai_python_client_through_the_data_plane";
-    if !integration_tests::require_tool(test, integration_tests::python_modules(&["openai"])) {
+    if test_support::require_tool(test, test_support::python_modules(&["openai"])).is_none() {
         return;
     }
     let fleet = Fleet::start().await;

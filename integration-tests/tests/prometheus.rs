@@ -12,8 +12,8 @@ use std::io::Write as _;
 use std::process::{Command, Stdio};
 
 use common::{Fleet, ENDPOINT};
-use integration_tests::require_tool;
 use serde_json::{json, Value};
+use test_support::require_tool;
 
 fn promtool_available() -> Result<(), String> {
     match Command::new("promtool").arg("--version").output() {
@@ -97,7 +97,7 @@ async fn http_get(url: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn promtool_accepts_every_servers_metrics_and_the_dashboard_queries_exported_names() {
     let test = "promtool_accepts_every_servers_metrics_and_the_dashboard_queries_exported_names";
-    if !require_tool(test, promtool_available()) {
+    if require_tool(test, promtool_available()).is_none() {
         return;
     }
     let fleet = Fleet::start_with_control_plane_metrics().await;

@@ -12,10 +12,10 @@ fn python_sdk_pytest_suite_passes() {
         "grpc_reflection",
         "google.protobuf",
     ];
-    if !integration_tests::require_tool(test, integration_tests::python_modules(&modules)) {
+    if test_support::require_tool(test, test_support::python_modules(&modules)).is_none() {
         return;
     }
-    let control_plane = integration_tests::bin("control-plane");
+    let control_plane = test_support::bin("control-plane");
     let bin_dir = control_plane.parent().expect("the binary's directory");
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

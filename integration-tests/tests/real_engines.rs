@@ -20,8 +20,9 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use integration_tests::{variant, wait_for, InProcessControlPlane};
+use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
+use test_support::wait_for;
 
 /// The tests share two cores: one fleet of llama-servers at a time.
 static ONE_FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -92,20 +93,11 @@ fn tiny_model(dir: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
-/// The binary and a fresh model, or `None` (after saying why) when this machine lacks them.
-/// Under CI (`CI=true`) a missing prerequisite fails the test.
+/// The binary and a fresh model, or `None` when this machine lacks them (the test is skipped, and
+/// fails instead under `CI=true`).
 fn prerequisites(test: &str, dir: &Path) -> Option<(PathBuf, PathBuf)> {
     let found = llama_server_binary().and_then(|bin| tiny_model(dir).map(|m| (bin, m)));
-    match found {
-        Ok(x) => Some(x),
-        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("{test}: required under CI=true, but {why}")
-        }
-        Err(why) => {
-            eprintln!("{test}: skipped: {why}");
-            None
-        }
-    }
+    test_support::require_tool(test, found)
 }
 
 /// One llama-server child process; killed on drop.
@@ -581,7 +573,7 @@ async fn bench_engines_reads_llama_server_counters_and_prefix_aware_raises_the_h
     let run = tokio::task::spawn_blocking({
         let (out, md) = (out.clone(), md.clone());
         move || {
-            Command::new(integration_tests::bin("prefixctl"))
+            Command::new(test_support::bin("prefixctl"))
                 .args(["bench", "--engines", &engines, "--workload", "long-context"])
                 .args([
                     "--strategies",

@@ -12,9 +12,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use integration_tests::{bin, variant, wait_for, ChildServer};
+use integration_tests::variant;
 use proto::client::{Client, ClientOptions, Error, TlsOptions};
 use proto::RoutingStrategy;
+use test_support::{bin, wait_for, ChildServer};
 use tonic::Code;
 
 const ADMIN: &str = "adm-7f3c9e1b5a2d";
@@ -75,10 +76,6 @@ fn no_secrets(what: &str, logs: &str) {
             "{what} logged a secret ({secret}):\n{logs}"
         );
     }
-}
-
-fn logs(server: &ChildServer) -> String {
-    server.logs.lock().unwrap().clone()
 }
 
 /// Every `ControlPlane` RPC and the watch, as `who` sees them: (name, writes?, code).
@@ -247,7 +244,7 @@ async fn every_rpc_needs_a_token_and_a_reader_cannot_write() {
     // And the admin token does write.
     assert!(admin.delete_endpoint("ep").await.is_ok());
 
-    no_secrets("control-plane", &logs(&cp));
+    no_secrets("control-plane", &cp.logs());
 }
 
 #[tokio::test]
@@ -376,7 +373,7 @@ async fn tokens_rotate_without_a_restart_and_the_data_plane_keeps_routing() {
     .await;
     assert!(cp.child.id() > 0, "same process: no restart");
     for (what, server) in [("control-plane", &cp), ("data-plane", &dp)] {
-        let l = logs(server);
+        let l = server.logs();
         assert!(
             !l.contains(old) && !l.contains(new),
             "{what} logged a token:\n{l}"
@@ -857,7 +854,7 @@ async fn api_keys_guard_the_router_and_only_the_upstream_key_reaches_the_engine(
         ("data-plane", &plain),
         ("data-plane (forwarding)", &forwarding),
     ] {
-        no_secrets(what, &logs(server));
+        no_secrets(what, &server.logs());
     }
 }
 

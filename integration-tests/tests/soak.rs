@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet::{tally, Engine, Fleet, Kind, Load, Outcome, Req, Spec, ENDPOINT};
-use integration_tests::{variant, wait_for};
+use integration_tests::variant;
 use proto::RoutingStrategy;
+use test_support::wait_for;
 
 /// One process's samples: (seconds since the start, RSS in KiB, open fds).
 #[derive(Default, Clone)]
@@ -367,7 +368,7 @@ async fn soak(total: u64) {
         .chain(fleet.routers.iter())
         .chain(fleet.engines.iter().map(|e| &e.server))
     {
-        let logs = s.logs.lock().unwrap().clone();
+        let logs = s.logs();
         error_lines.extend(
             logs.lines()
                 .filter(|l| l.contains("ERROR"))

@@ -41,8 +41,12 @@ impl Received {
     }
 
     /// Waits until `pick` finds what it looks for in the spans received.
-    async fn wait_for<T>(&self, what: &str, pick: impl Fn(&[(String, Span)]) -> Option<T>) -> T {
-        integration_tests::wait_for(what, Duration::from_secs(20), || async {
+    async fn wait_for_spans<T>(
+        &self,
+        what: &str,
+        pick: impl Fn(&[(String, Span)]) -> Option<T>,
+    ) -> T {
+        test_support::wait_for(what, Duration::from_secs(20), || async {
             pick(&self.collect().await)
         })
         .await
@@ -128,7 +132,7 @@ async fn one_trace_links_client_router_and_engine() {
         "decode",
     ];
     let trace: HashMap<String, Span> = received
-        .wait_for("the request's spans", |spans| {
+        .wait_for_spans("the request's spans", |spans| {
             let mine: HashMap<String, Span> = spans
                 .iter()
                 .filter(|(_, s)| hex(&s.trace_id) == trace_id)
@@ -245,7 +249,7 @@ async fn one_trace_links_client_router_and_engine() {
 
     // Each table push to the data plane is a span that ends with the node's ACK.
     let push = received
-        .wait_for("an acknowledged table push", |spans| {
+        .wait_for_spans("an acknowledged table push", |spans| {
             spans
                 .iter()
                 .map(|(_, s)| s)
@@ -265,7 +269,7 @@ async fn one_trace_links_client_router_and_engine() {
         .await;
     assert_eq!(answer.status, 200);
     let root = received
-        .wait_for("the untraced request's route span", |spans| {
+        .wait_for_spans("the untraced request's route span", |spans| {
             spans
                 .iter()
                 .map(|(_, s)| s)

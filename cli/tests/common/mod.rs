@@ -139,15 +139,6 @@ pub fn prefixctl() -> Command {
     cmd
 }
 
-/// A port nothing listens on (bound, then released).
-pub fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 pub const VARIANTS: &str = r#"[{"VariantName":"v1","ModelName":"llama","InitialVariantWeight":1,
   "Instances":["http://127.0.0.1:9001","http://127.0.0.1:9002"],
   "RoutingConfig":{"RoutingStrategy":"RANDOM"}}]"#;

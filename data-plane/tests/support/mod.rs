@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -32,25 +31,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_stream::StreamExt as _;
 
+/// How long a test waits for anything.
 pub const WAIT: Duration = Duration::from_secs(15);
-
-/// Polls `cond` every 10 ms until it holds (panics after 15 s).
-pub async fn wait_until<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if cond().await {
-            return;
-        }
-        if tokio::time::Instant::now() > deadline {
-            panic!("timed out waiting until {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 // ---------------------------------------------------------------- mock control plane
 
@@ -487,12 +469,9 @@ pub fn urls(backends: &[Backend]) -> Vec<String> {
     backends.iter().map(|b| b.url.clone()).collect()
 }
 
-/// A free port nobody listens on.
-pub async fn dead_url() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
-    format!("http://{addr}")
+/// A URL on a loopback port nobody listens on.
+pub fn dead_url() -> String {
+    format!("http://127.0.0.1:{}", test_support::unused_port())
 }
 
 // ---------------------------------------------------------------- router and client
@@ -558,8 +537,9 @@ impl RouterHandle {
     /// Waits until /readyz reports `version`.
     pub async fn wait_version(&self, version: u64) {
         let url = self.url("/readyz");
-        wait_until(
+        test_support::wait_for(
             &format!("the router serves table version {version}"),
+            WAIT,
             || {
                 let url = url.clone();
                 async move {

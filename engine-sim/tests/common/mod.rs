@@ -131,18 +131,6 @@ impl TestServer {
     }
 }
 
-/// Waits (bounded) until `cond` holds, checking every few milliseconds.
-pub async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
-
 /// A chat body with a long shared system prompt and a user message.
 pub fn chat(system: &str, user: &str, max_tokens: u64, stream: bool) -> Value {
     serde_json::json!({

@@ -13,8 +13,9 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use integration_tests::{variant, wait_for, InProcessControlPlane};
+use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
+use test_support::wait_for;
 
 pub const ENDPOINT: &str = "chat";
 pub const NODE_ID: &str = "dp-telemetry";

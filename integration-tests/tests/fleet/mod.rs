@@ -15,8 +15,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use integration_tests::fault::FaultProxy;
-use integration_tests::{variant, wait_for, ChildServer};
+use integration_tests::variant;
 use proto::RoutingStrategy;
+use test_support::{wait_for, ChildServer};
 
 pub const ENDPOINT: &str = "chat";
 /// How long the client waits for a whole answer before it calls the request hung.
