@@ -319,7 +319,7 @@ impl InstanceCache {
                 false => self.sampled_misses.load(Relaxed),
             };
             overflows =
-                sampled == 2 * MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
+                sampled == MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
         }
         let t = FeedbackTuning {
             strike_interval_ms: t.relief_interval_ms,
