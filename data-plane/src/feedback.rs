@@ -299,12 +299,18 @@ impl InstanceCache {
     /// a quarter of the traffic fills a gate's window four times slower; the homes pass, which
     /// asks once per half-window, needs a verdict soon.
     pub fn take_sample(&self, t: &FeedbackTuning) -> Option<bool> {
+        self.take_miss_rate().map(|rate| rate > t.miss_limit)
+    }
+
+    /// The fraction of the reused keys' revisits since the last verdict that missed (`None`: too
+    /// few to tell yet; they are kept for the next call).
+    pub fn take_miss_rate(&self) -> Option<f64> {
         if self.sampled.load(Relaxed) < MIN_SAMPLE {
             return None;
         }
         let revisits = self.sampled.swap(0, Relaxed);
         let misses = self.sampled_misses.swap(0, Relaxed);
-        Some(f64::from(misses) > t.miss_limit * f64::from(revisits))
+        Some(f64::from(misses) / f64::from(revisits.max(1)))
     }
 
     /// Learns from a revisit placed by a rule that does not spend cache (`reused`: of a key the

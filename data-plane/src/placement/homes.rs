@@ -25,9 +25,10 @@
 //! What the counting takes for room is checked against the engines: an instance whose cache
 //! overflows (the revisits of reused keys miss, [`crate::feedback::InstanceCache`]; a rarely
 //! used key evicted by age between its requests says nothing of room for the reused ones) while
-//! it holds k of the reused keys shows that its cache holds fewer, and from then on no pass gives an instance more
-//! than an even spread of the keys ([`learn_capacity`]; k - 1, one step at a time, left 4
-//! routers disagreeing for most of a minute while each took its steps): a key whose first
+//! it holds k of the reused keys shows that its cache holds fewer, about k times the share of
+//! its revisits that hit, and from then on no pass gives an instance more ([`learn_capacity`];
+//! never less than an even spread of the keys; k - 1, one step at a time, left 4 routers
+//! disagreeing for most of a minute while each took its steps): a key whose first
 //! choices are full goes to the first instance of its ranking with room (consistent hashing
 //! with bounded loads, the bound being the measured one), and a hot key whose copies would not
 //! fit beside every other reused key gets none: one instance, as its home. A router runs the
@@ -186,15 +187,19 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
 /// gate's windows count every revisit, and misses of cold keys evicted by age closed it on
 /// engine-sim's long-context fleet, whose caches had room for every reused key) while holding
 /// k of the keys the last pass counted, more than an even spread of the `reused` keys over the
-/// instances, shows that its cache holds fewer than k: the bound becomes that even spread at
-/// once. (At k - 1, stepping down once per overflow seen, 4 routers on llama-servers with small
-/// caches, document as the system message, reached 75.4-88.8% hit against 91.1-94.0% so: the
-/// first overflows a router sees are of the early passes' copies, and each step waited for its
-/// own evidence.) An instance that overflows at an even spread teaches nothing: counting cannot
+/// instances, shows that its cache holds fewer than k: about k times the share of its revisits
+/// that hit (an LRU cache of c among k keys used alike hits about c / k), at least the even
+/// spread and at most k - 1, at once. (At k - 1, stepping down once per overflow seen, 4
+/// routers on llama-servers with small caches, document as the system message, reached
+/// 75.4-88.8% hit against 91.1-94.0% so: the first overflows a router sees are of the early
+/// passes' copies, 7 keys where 2 fit, and each step waited for its own evidence; their
+/// revisits miss 60-70%, so the estimate is 2 at once. The even spread at once confined
+/// engine-sim's long-context fleet, an instance at 14 of 62 keys missing 21%, to 9 each, and
+/// the hot keys lost their replicas.) An instance that overflows at an even spread teaches nothing: counting cannot
 /// help it (and relief stands down while a bound is known). After
 /// [`Tuning::home_probe_passes`] passes with no overflow the bound rises by one, and is forgotten
 /// once no instance reaches it.
-fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
+pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
     let homes = v.load().homes();
     let hashes = v.id_hashes();
     let even = reused.div_ceil(hashes.len()).max(1) as u32;
@@ -204,13 +209,18 @@ fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
     let mut overflowed = false;
     for (i, instance) in v.instances().iter().enumerate() {
         let cache = instance.state().cache();
-        if cache.take_sample(&t.feedback) != Some(true) {
+        let Some(missed) = cache
+            .take_miss_rate()
+            .filter(|&m| m > t.feedback.miss_limit)
+        else {
             continue;
-        }
+        };
         overflowed = true;
         let k = held_at(hashes[i]);
         if k > even {
-            cap = Some(even);
+            // the cache holds about k * (1 - missed) (see above)
+            let holds = ((f64::from(k) * (1.0 - missed)).floor() as u32).clamp(even, k - 1);
+            cap = Some(cap.map_or(holds, |c| c.min(holds)));
         }
     }
     let mut calm = if overflowed { 0 } else { homes.calm() + 1 };

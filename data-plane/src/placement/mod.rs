@@ -19,8 +19,9 @@
 //!   per half-window the keys this router placed often are counted onto instances in hash order;
 //!   a key whose top choice holds clearly more of them than the emptiest of its first three gets
 //!   that one as its home and goes there instead. An instance whose cache overflows (revisits
-//!   of those keys miss) while it holds more than an even spread of them shows that its cache holds fewer: from then on
-//!   no instance gets more than an even spread (a hot key whose copies would not fit gets none), and the pass runs again as
+//!   of those keys miss) while it holds more than an even spread of them shows that its cache holds fewer (about
+//!   as many as the share of its revisits that hit): from then on no instance gets more (never
+//!   less than an even spread; a hot key whose copies would not fit gets none), and the pass runs again as
 //!   soon as a router's revisits show an overflow. The pass depends only on the set of reused
 //!   keys and that bound, so replicas agree.
 //! - **Hot-key replicas** (queueing): each router estimates, over its last 2,048-4,096 requests

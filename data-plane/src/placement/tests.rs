@@ -1277,3 +1277,41 @@ fn cold_documents_evicted_by_age_teach_no_bound() {
         );
     }
 }
+
+#[test]
+fn an_overflow_bounds_an_instance_to_about_what_its_revisits_show_it_holds() {
+    // An instance given k of the reused keys whose revisits miss a share m of the time holds
+    // about k * (1 - m): 14 keys missing a quarter of their revisits are about 10 (an even
+    // spread of 62 keys over 7 would be 9, and took the hot keys' replicas away on engine-sim's
+    // long-context fleet); 7 keys missing 70% are 2, and never fewer than an even spread.
+    let t = Tuning::default();
+    let now = now_ms();
+    for (k, misses, reused, expected) in [(14u32, 2, 62, 10), (7, 6, 8, 2), (7, 8, 20, 3)] {
+        let table = prefix_aware_table(7);
+        let v = variant_of(&table);
+        let hashes = v.id_hashes().to_vec();
+        let held: Vec<(u64, u32)> = hashes
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| (h, if i == 0 { k } else { 1 }))
+            .collect();
+        v.load().homes().store_held(held);
+        let cache = v.instances()[0].state().cache();
+        for j in 0..8 {
+            let report = if j < misses { MISS } else { HIT };
+            v.load().feedback().learn(
+                Rule::PrefixHash,
+                Visit::ReusedRevisit,
+                report,
+                now,
+                &t.feedback,
+                cache,
+            );
+        }
+        assert_eq!(
+            homes::learn_capacity(v, reused, &t),
+            Some(expected),
+            "{k} keys, {misses} of 8 revisits missed, {reused} reused"
+        );
+    }
+}

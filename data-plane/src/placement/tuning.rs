@@ -50,7 +50,7 @@ pub struct Tuning {
     /// times the mean number of reused keys per instance (and at least one) more than the home.
     pub home_slack: f64,
     /// Once an instance's cache overflowed holding more than an even spread of the reused keys,
-    /// passes give no instance more than that spread (see [`crate::placement`]'s homes); after this many passes with no overflow
+    /// passes give no instance more than it was seen to hold (see [`crate::placement`]'s homes); after this many passes with no overflow
     /// they try one more (caches can grow, and the overflow may have had another cause).
     pub home_probe_passes: u32,
     /// Besides at every half-window, a router assigns homes when its request count in the
