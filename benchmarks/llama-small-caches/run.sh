@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real engines with small caches (BENCHMARKS.md): each run on a freshly started fleet of 4 CPU
-# llama-servers whose 4 MiB prompt caches hold 3 of the 8 documents, against the best peers in
+# llama-servers whose 4 MiB prompt caches hold 2 of the 8 documents, against the best peers in
 # the same session.
 #   benchmarks/llama-small-caches/run.sh ROLE SEED LABEL...   (ROLE user|system; LABEL PA, PA4, RANDOM, SMG, SGL)
 # PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON.
