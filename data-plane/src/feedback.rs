@@ -247,7 +247,7 @@ impl Gate {
 
 /// Most eighths of an overflowing instance's keys that go elsewhere.
 const MAX_RELIEF: u32 = 6;
-/// Fewest revisits in an [`InstanceCache::take_sample`] verdict.
+/// Fewest revisits in an [`InstanceCache::take_miss_rate`] verdict.
 const MIN_SAMPLE: u32 = 8;
 /// Strikes a gate remembers (its hold stops doubling well before: see `max_hold_ms`).
 const MAX_STRIKES: u32 = 8;
@@ -265,7 +265,7 @@ pub struct InstanceCache {
     /// The last window of revisits hit (true until one is seen).
     hitting: AtomicBool,
     /// Revisits of reused keys and their misses since the homes pass last took them (see
-    /// [`InstanceCache::take_sample`]).
+    /// [`InstanceCache::take_miss_rate`]).
     sampled: AtomicU32,
     sampled_misses: AtomicU32,
 }
@@ -294,16 +294,10 @@ impl InstanceCache {
         self.hitting.load(Relaxed)
     }
 
-    /// Whether the revisits of reused keys since the last verdict missed more than the gates'
-    /// limit (`None`: too few to tell yet; they are kept for the next call). A router that sees
-    /// a quarter of the traffic fills a gate's window four times slower; the homes pass, which
-    /// asks once per half-window, needs a verdict soon.
-    pub fn take_sample(&self, t: &FeedbackTuning) -> Option<bool> {
-        self.take_miss_rate().map(|rate| rate > t.miss_limit)
-    }
-
     /// The fraction of the reused keys' revisits since the last verdict that missed (`None`: too
-    /// few to tell yet; they are kept for the next call).
+    /// few to tell yet; they are kept for the next call). A router that sees a quarter of the
+    /// traffic fills a gate's window four times slower; the homes pass, which asks once per
+    /// half-window, needs a verdict soon.
     pub fn take_miss_rate(&self) -> Option<f64> {
         if self.sampled.load(Relaxed) < MIN_SAMPLE {
             return None;
@@ -315,7 +309,7 @@ impl InstanceCache {
 
     /// Learns from a revisit placed by a rule that does not spend cache (`reused`: of a key the
     /// homes pass counted); true when the reused keys' revisits since the last
-    /// [`InstanceCache::take_sample`] verdict already say the cache overflows (once per sample).
+    /// [`InstanceCache::take_miss_rate`] verdict already say the cache overflows (once per sample).
     fn learn(&self, miss: bool, reused: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
         let mut overflows = false;
         if reused {

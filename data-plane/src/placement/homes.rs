@@ -183,7 +183,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
 
 /// The most reused keys a pass may give one instance (`None`: no bound), from what the engines'
 /// reports said since the last pass. An instance whose cache overflows (the revisits of reused
-/// keys since the last verdict miss, see [`crate::feedback::InstanceCache::take_sample`]; its
+/// keys since the last verdict miss, see [`crate::feedback::InstanceCache::take_miss_rate`]; its
 /// gate's windows count every revisit, and misses of cold keys evicted by age closed it on
 /// engine-sim's long-context fleet, whose caches had room for every reused key) while holding
 /// k of the keys the last pass counted, more than an even spread of the `reused` keys over the

@@ -12,9 +12,9 @@
 //! plain ranking.
 //!
 //! - **Affinity** (prefill): the prompt's key ([`crate::prompt`]) ranks the variant's instances
-//!   by rendezvous hashing ([`rendezvous`]): every replica sends the same prefix to the same
+//!   by rendezvous hashing (`rendezvous`): every replica sends the same prefix to the same
 //!   instance, and a join or leave of one of n instances moves about 1/(n+1) of the keys.
-//! - **Homes** (prefill, [`homes`]): rendezvous hashing is blind to what else an instance
+//! - **Homes** (prefill, `homes`): rendezvous hashing is blind to what else an instance
 //!   holds, and with few popular prefixes it leaves one instance crowded and another idle. Once
 //!   per half-window the keys this router placed often are counted onto instances in hash order;
 //!   a key whose top choice holds clearly more of them than the emptiest of its first three gets
@@ -39,7 +39,7 @@
 //!   wherever the homes pass has learnt a bound on what a cache holds: there no head is deepened.
 //! - **Warm moves** (queueing): a key near the hot threshold whose instance is over its fair
 //!   share of requests goes to the next instance of its ranking while that one has had fewer.
-//! - **Re-weighing** (queueing, [`reweigh`]): instance weights set every half-window from request
+//! - **Re-weighing** (queueing, `reweigh`): instance weights set every half-window from request
 //!   shares move whole cold keys among their first three choices until shares even out. (An
 //!   earlier term that also evened each instance's count of distinct keys, a guess at its cache
 //!   footprint, is gone: relief below acts on the engines' measured misses instead.)

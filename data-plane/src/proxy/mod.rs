@@ -49,7 +49,7 @@ pub const X_DECISION: HeaderName = HeaderName::from_static("x-prefix-router-deci
 pub(crate) const FIRST_TABLE_WAIT: Duration = Duration::from_secs(3);
 
 /// Shared router state: the current table, placement policy, metrics. (Upstream connections are
-/// kept per instance, in its state: see [`upstream`].)
+/// kept per instance, in its state: see [`crate::upstream`].)
 pub(crate) struct Router {
     pub(crate) table: ArcSwapOption<RoutingTable>,
     /// Notified whenever a table is stored (requests that came before the first one wait).

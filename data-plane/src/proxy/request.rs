@@ -132,7 +132,7 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// The request to an instance: the client's method and end-to-end headers, `target` (origin
-/// form), the instance's `Host`, the `authorization` chosen by [`Access`] (the client's own is
+/// form), the instance's `Host`, the `authorization` chosen by [`crate::access::Access`] (the client's own is
 /// never copied), and the body.
 pub(super) fn upstream_request(
     parts: &http::request::Parts,
