@@ -565,7 +565,7 @@ fn bad_input_is_a_usage_error_that_names_the_value() {
 
 #[test]
 fn a_control_plane_that_is_down_is_one_line() {
-    let url = format!("http://127.0.0.1:{}", test_support::unused_port());
+    let url = test_support::unused_url();
     let out = prefixctl()
         .args(["endpoint", "list", "--control-plane", &url])
         .output()

@@ -4,7 +4,7 @@
 
 use assert_cmd::Command;
 use serde_json::Value;
-use test_support::{unused_port, HttpStub, StubReply};
+use test_support::{unused_url, HttpStub, StubReply};
 
 /// Serves `body` as `GET /metrics` (any request) on 127.0.0.1:0 until dropped.
 fn serve_metrics(body: &'static str) -> HttpStub {
@@ -13,11 +13,6 @@ fn serve_metrics(body: &'static str) -> HttpStub {
             .header("connection", "close")
             .then_close()
     })
-}
-
-/// A loopback URL nothing listens on.
-fn closed_url() -> String {
-    format!("http://127.0.0.1:{}", unused_port())
 }
 
 const ROUTER_A: &str = r#"# HELP prefix_router_requests_total Requests by endpoint, variant, instance, routing decision and response status.
@@ -55,7 +50,7 @@ prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://1
 #[test]
 fn once_sums_two_routers_into_one_json_document_and_names_the_one_that_is_down() {
     let (a, b) = (serve_metrics(ROUTER_A), serve_metrics(ROUTER_B));
-    let down = closed_url();
+    let down = unused_url();
     let out = Command::cargo_bin("prefixctl")
         .unwrap()
         .args([
@@ -160,7 +155,7 @@ fn once_prints_a_table_and_fails_only_when_no_router_answers() {
         assert!(table.contains(line), "{line:?} missing in\n{table}");
     }
 
-    let (x, y) = (closed_url(), closed_url());
+    let (x, y) = (unused_url(), unused_url());
     let out = Command::cargo_bin("prefixctl")
         .unwrap()
         .args(["top", "--router-url", &format!("{x},{y}"), "--once"])

@@ -592,7 +592,7 @@ async fn table_cache_lets_a_restarted_router_serve_before_the_control_plane_is_b
     cp.stop().await;
 
     let offline = Config {
-        control_plane: dead_url(),
+        control_plane: test_support::unused_url(),
         ..config
     };
     let router = RouterHandle::start(offline.clone()).await;
@@ -737,7 +737,7 @@ async fn engines_cache_reports_are_counted_as_they_pass_unchanged() {
 async fn error_paths_answer_json_with_their_status() {
     // no table yet: 503
     let router = RouterHandle::start(Config {
-        control_plane: dead_url(),
+        control_plane: test_support::unused_url(),
         max_body_bytes: 1024,
         request_timeout_ms: 500,
         ..Config::default()
@@ -752,7 +752,7 @@ async fn error_paths_answer_json_with_their_status() {
     let cp = MockControlPlane::start().await;
     let ok = Backend::start("ok").await;
     let held = Backend::start_with("held", Behavior::Hold).await;
-    let dead = dead_url();
+    let dead = test_support::unused_url();
     let random = || strategy(RoutingStrategy::Random);
     cp.push(table(
         1,
@@ -868,7 +868,7 @@ async fn failed_instances_are_retried_once_then_ejected() {
     let cp = MockControlPlane::start().await;
     let good = Backend::start("good").await;
     let bad = Backend::start_with("bad", Behavior::Status(500)).await;
-    let dead = dead_url();
+    let dead = test_support::unused_url();
     cp.push(simple_table(
         1,
         strategy(RoutingStrategy::Random),

@@ -46,7 +46,7 @@ async fn requests_before_the_first_table_wait_for_it() {
 async fn without_a_table_the_wait_is_bounded_by_the_request_deadline() {
     // no control plane at all
     let router = RouterHandle::start(Config {
-        control_plane: dead_url(),
+        control_plane: test_support::unused_url(),
         request_timeout_ms: 300,
         ..Config::default()
     })

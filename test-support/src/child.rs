@@ -29,6 +29,11 @@ pub fn unused_port() -> u16 {
         .port()
 }
 
+/// `http://127.0.0.1:PORT` on a port nothing listens on: a server that is down.
+pub fn unused_url() -> String {
+    format!("http://127.0.0.1:{}", unused_port())
+}
+
 /// A server binary running as a child process; killed on drop.
 pub struct ChildServer {
     pub child: Child,

@@ -4,7 +4,7 @@
 //! - [`http_stub`]: a raw HTTP/1.1 server on `127.0.0.1:0` answering from a handler, and the request
 //!   reader for servers that break the protocol on purpose.
 //! - [`child`]: a workspace binary started on port 0, its address read back from its
-//!   `NAME listening on ADDR` line; [`unused_port`] for a port nothing listens on.
+//!   `NAME listening on ADDR` line; [`unused_port`] / [`unused_url`] for a port nothing listens on.
 //! - [`skip`]: the skip policy. A test that cannot run here says why, on stderr and in the one-line
 //!   summary `scripts/test.sh` prints; under `CI=true` it fails instead.
 //!
@@ -16,7 +16,7 @@ pub mod http_stub;
 pub mod skip;
 pub mod wait;
 
-pub use child::{bin, unused_port, ChildServer};
+pub use child::{bin, unused_port, unused_url, ChildServer};
 pub use http_stub::{HttpStub, StubReply, StubRequest};
 pub use skip::{python_modules, require_tool, skip};
 pub use wait::{wait_for, wait_for_blocking, Condition};

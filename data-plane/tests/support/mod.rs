@@ -469,11 +469,6 @@ pub fn urls(backends: &[Backend]) -> Vec<String> {
     backends.iter().map(|b| b.url.clone()).collect()
 }
 
-/// A URL on a loopback port nobody listens on.
-pub fn dead_url() -> String {
-    format!("http://127.0.0.1:{}", test_support::unused_port())
-}
-
 // ---------------------------------------------------------------- router and client
 
 pub struct RouterHandle {
