@@ -22,6 +22,9 @@ async fn main() -> std::process::ExitCode {
     if let Ok(addr) = listener.local_addr() {
         eprintln!("control-plane listening on {addr}");
     }
+    if let Some(Ok(addr)) = options.metrics_listener.as_ref().map(|l| l.local_addr()) {
+        eprintln!("control-plane metrics listening on {addr}");
+    }
     let shutdown = control_plane::shutdown_signal();
     match control_plane::serve_with(listener, store, options, shutdown).await {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1229,17 +1229,42 @@ const TEST_SECRET: [(&str, &str); 2] = [
     ("reader-token", "k8s-test-reader\n"),
 ];
 
-/// One pod of an install, run here as a process: its container ports mapped to loopback ports,
-/// its volumes to folders.
+/// One pod of an install, run here as a process: its container ports mapped to loopback ports
+/// or unix sockets, its volumes to folders.
 struct LocalPod {
     name: String,
     workload: usize,
-    ports: BTreeMap<u16, u16>,
-    /// The loopback ports' listeners, held until just before the pod starts (so that nothing
-    /// else takes a port while the pods before it start and pass their probes).
-    held: Vec<std::net::TcpListener>,
+    /// Where each container port is reached here. Our binaries bind `127.0.0.1:0` and the port
+    /// is read from their `listening on` lines once they start; etcd, which cannot bind port 0
+    /// and report it, listens on unix sockets named before it starts. No port is picked free
+    /// and handed over later, so nothing else can take it in between.
+    ports: BTreeMap<u16, Local>,
     dir: std::path::PathBuf,
     child: Option<std::process::Child>,
+}
+
+/// Where a container port is reached on this machine.
+#[derive(Clone, Debug)]
+enum Local {
+    Tcp(u16),
+    Unix(std::path::PathBuf),
+}
+
+/// Whether workload `w` runs etcd (its members listen on unix sockets here).
+fn runs_etcd(w: &Workload) -> bool {
+    containers(w.template)
+        .iter()
+        .any(|c| strings(&c["command"]).first().map(String::as_str) == Some("etcd"))
+}
+
+/// The stderr line a binary prints once its listen flag `flag` is bound (`NAME listening on
+/// ADDR`, `NAME metrics listening on ADDR`).
+fn listening_line(binary: &str, flag: &str) -> String {
+    match flag {
+        "--listen" => format!("{binary} listening on "),
+        "--metrics-listen" => format!("{binary} metrics listening on "),
+        other => panic!("{binary}: no line reports where {other} bound"),
+    }
 }
 
 impl Drop for LocalPod {
@@ -1257,6 +1282,9 @@ struct LocalCluster<'a> {
     workloads: Vec<Workload<'a>>,
     services: BTreeMap<&'a str, &'a Value>,
     pods: Vec<LocalPod>,
+    /// The etcd members' sockets, and their working directory: a unix URL's host is a name in
+    /// etcd's working directory, so the members share this folder as they share a pod network.
+    sockets: std::path::PathBuf,
     _root: tempfile::TempDir,
 }
 
@@ -1269,16 +1297,18 @@ impl<'a> LocalCluster<'a> {
             .filter(|o| kind(o) == "Service")
             .map(|o| (name(o), o))
             .collect();
+        let sockets = root.path().join("sockets");
+        std::fs::create_dir_all(&sockets).unwrap();
         let mut pods = Vec::new();
         for (index, w) in workloads.iter().enumerate() {
             for i in 0..w.replicas {
                 let name = format!("{}-{i}", w.name);
                 let mut ports = BTreeMap::new();
-                let mut held = Vec::new();
-                for port in containers(w.template).iter().flat_map(container_ports) {
-                    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-                    ports.insert(port.1, listener.local_addr().unwrap().port());
-                    held.push(listener);
+                if runs_etcd(w) {
+                    for (_, port) in containers(w.template).iter().flat_map(container_ports) {
+                        let socket = sockets.join(format!("{name}.{port}:{port}"));
+                        ports.insert(port, Local::Unix(socket));
+                    }
                 }
                 let dir = root.path().join(&name);
                 std::fs::create_dir_all(&dir).unwrap();
@@ -1286,7 +1316,6 @@ impl<'a> LocalCluster<'a> {
                     name,
                     workload: index,
                     ports,
-                    held,
                     dir,
                     child: None,
                 });
@@ -1296,15 +1325,24 @@ impl<'a> LocalCluster<'a> {
             workloads,
             services,
             pods,
+            sockets,
             _root: root,
         }
     }
 
+    /// Where `pod`'s container port `port` is reached; it must have bound it already.
+    fn port(pod: &LocalPod, port: u16) -> Local {
+        pod.ports
+            .get(&port)
+            .cloned()
+            .unwrap_or_else(|| panic!("{}: port {port} is not bound yet", pod.name))
+    }
+
     /// The loopback port behind `host:port` as seen from `pod`: itself, a Service, or a member of
     /// a StatefulSet behind a headless Service.
-    fn resolve(&self, pod: &LocalPod, host: &str, port: u16) -> u16 {
+    fn resolve(&self, pod: &LocalPod, host: &str, port: u16) -> Local {
         if ["0.0.0.0", "127.0.0.1", "localhost"].contains(&host) {
-            return pod.ports[&port];
+            return Self::port(pod, port);
         }
         let (member, service) = match host.split_once('.') {
             Some((member, service)) => (Some(member), service),
@@ -1334,12 +1372,12 @@ impl<'a> LocalCluster<'a> {
             .iter()
             .flat_map(container_ports)
             .collect();
-        target_pod.ports[&resolve_port(target, &ports).unwrap()]
+        Self::port(target_pod, resolve_port(target, &ports).unwrap())
     }
 
-    /// A command line of `pod` as it would run there: `$(VAR)`s expanded, addresses and URLs
-    /// turned into loopback ports, mounted paths into the pod's folders, our binaries' names into
-    /// their paths.
+    /// A command line of `pod` as it would run there: `$(VAR)`s expanded, listen addresses
+    /// into `127.0.0.1:0`, URLs into the loopback ports or sockets they reach, mounted paths into
+    /// the pod's folders, our binaries' names into their paths.
     fn localize(&self, pod: &LocalPod, container: &Value, argv: &[String]) -> Vec<String> {
         let env = self.env(pod, container);
         let mounts: Vec<(String, String)> = container
@@ -1367,20 +1405,30 @@ impl<'a> LocalCluster<'a> {
             let mut localized = String::new();
             let mut rest = arg.as_str();
             while let Some(at) = rest.find("http://") {
-                localized.push_str(&rest[..at + 7]);
+                localized.push_str(&rest[..at]);
                 rest = &rest[at + 7..];
                 let end = rest
                     .find(|c: char| !(c.is_ascii_alphanumeric() || "-.:".contains(c)))
                     .unwrap_or(rest.len());
                 let (host, port) = rest[..end].rsplit_once(':').expect("a port");
-                let local = self.resolve(pod, host, port.parse().unwrap());
-                localized.push_str(&format!("127.0.0.1:{local}"));
+                match self.resolve(pod, host, port.parse().unwrap()) {
+                    Local::Tcp(port) => localized.push_str(&format!("http://127.0.0.1:{port}")),
+                    // etcd takes a socket's name in its working directory (the sockets' folder)
+                    Local::Unix(socket) if runs_etcd(&self.workloads[pod.workload]) => {
+                        let file = socket.file_name().unwrap().to_string_lossy();
+                        localized.push_str(&format!("unix://{file}"));
+                    }
+                    // our binaries an absolute path
+                    Local::Unix(socket) => {
+                        localized.push_str(&format!("unix://{}", socket.display()))
+                    }
+                }
                 rest = &rest[end..];
             }
             localized.push_str(rest);
             let mut arg = localized;
-            if let Some(port) = arg.strip_prefix("0.0.0.0:") {
-                arg = format!("127.0.0.1:{}", pod.ports[&port.parse().unwrap()]);
+            if arg.starts_with("0.0.0.0:") {
+                arg = "127.0.0.1:0".to_string();
             }
             // Paths on volumes (a flag's value, or `--flag=/path`).
             let flag = if arg.starts_with('/') {
@@ -1440,7 +1488,8 @@ impl<'a> LocalCluster<'a> {
     /// test tokens), then its container's own command line.
     fn start(&mut self, index: usize) {
         let w = &self.workloads[index];
-        let template = w.template;
+        let etcd = runs_etcd(w);
+        let (template, object) = (w.template, w.object);
         let container = &containers(template)[0];
         let mut argv = strings(&container["command"]);
         argv.extend(strings(&container["args"]));
@@ -1470,26 +1519,55 @@ impl<'a> LocalCluster<'a> {
                     std::fs::write(dir.join(str_at(item, &["path"]).unwrap()), value).unwrap();
                 }
             }
-            let claims = w.object["spec"]["volumeClaimTemplates"].as_sequence();
+            let claims = object["spec"]["volumeClaimTemplates"].as_sequence();
             for claim in claims.into_iter().flatten() {
                 std::fs::create_dir_all(pod.dir.join(name(claim))).unwrap();
             }
             let local = self.localize(pod, container, &argv);
             let log = std::fs::File::create(pod.dir.join("log")).unwrap();
-            // the pod binds its ports now
-            self.pods[p].held.clear();
-            let pod = &self.pods[p];
             let child = Command::new(&local[0])
                 .args(&local[1..])
                 .envs(self.env(pod, container))
                 .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-                .current_dir(&pod.dir)
+                .current_dir(if etcd { &self.sockets } else { &pod.dir })
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .stderr(log)
                 .spawn()
                 .unwrap_or_else(|e| panic!("{}: {e}", pod.name));
             self.pods[p].child = Some(child);
+            if !etcd {
+                self.learn_ports(p, &argv);
+            }
+        }
+    }
+
+    /// Reads where pod `p` bound each `0.0.0.0:PORT` of its command line `argv` from its
+    /// `listening on` lines (it was given `127.0.0.1:0`).
+    fn learn_ports(&mut self, p: usize, argv: &[String]) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        for (i, arg) in argv.iter().enumerate() {
+            let Some(port) = arg.strip_prefix("0.0.0.0:") else {
+                continue;
+            };
+            let line = listening_line(&argv[0], &argv[i - 1]);
+            let bound = loop {
+                let log = self.log(&self.pods[p]);
+                let found = log.lines().find_map(|l| l.strip_prefix(line.as_str()));
+                if let Some(addr) = found {
+                    break addr.parse::<std::net::SocketAddr>().unwrap().port();
+                }
+                let exited = self.pods[p].child.as_mut().unwrap().try_wait().unwrap();
+                assert!(
+                    exited.is_none() && std::time::Instant::now() < deadline,
+                    "{}: no \"{line}ADDR\" line ({exited:?}): {log}",
+                    self.pods[p].name
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            };
+            self.pods[p]
+                .ports
+                .insert(port.parse().unwrap(), Local::Tcp(bound));
         }
     }
 
@@ -1500,17 +1578,19 @@ impl<'a> LocalCluster<'a> {
     /// Runs one probe of `pod`'s container once: `Err(why)` when it fails.
     fn probe(&self, pod: &LocalPod, container: &Value, probe: &Value) -> Result<(), String> {
         let ports = container_ports(container);
-        let local = |port: &Value| pod.ports[&resolve_port(port, &ports).unwrap()];
+        let local = |port: &Value| Self::port(pod, resolve_port(port, &ports).unwrap());
         if let Some(get) = probe.get("httpGet") {
             let path = str_at(get, &["path"]).unwrap_or("/");
-            match http_get(local(&get["port"]), path) {
+            match http_get(&local(&get["port"]), path) {
                 Some((200..=399, _)) => Ok(()),
                 other => Err(format!("GET {path}: {other:?}")),
             }
         } else if let Some(tcp) = probe.get("tcpSocket") {
-            std::net::TcpStream::connect(("127.0.0.1", local(&tcp["port"])))
-                .map(drop)
-                .map_err(|e| format!("connect: {e}"))
+            match local(&tcp["port"]) {
+                Local::Tcp(port) => std::net::TcpStream::connect(("127.0.0.1", port)).map(drop),
+                Local::Unix(socket) => std::os::unix::net::UnixStream::connect(socket).map(drop),
+            }
+            .map_err(|e| format!("connect: {e}"))
         } else {
             let argv = self.localize(pod, container, &strings(&probe["exec"]["command"]));
             let err = pod.dir.join("probe-stderr");
@@ -1571,13 +1651,27 @@ impl<'a> LocalCluster<'a> {
     }
 }
 
-/// `GET path` on a loopback port: status and body.
-fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
-        .ok()?;
+/// `GET path` on a loopback port or a unix socket: status and body.
+fn http_get(at: &Local, path: &str) -> Option<(u16, String)> {
+    let timeout = Some(std::time::Duration::from_secs(5));
+    match at {
+        Local::Tcp(port) => {
+            let stream = std::net::TcpStream::connect(("127.0.0.1", *port)).ok()?;
+            stream.set_read_timeout(timeout).ok()?;
+            http_get_on(stream, path)
+        }
+        Local::Unix(socket) => {
+            let stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
+            stream.set_read_timeout(timeout).ok()?;
+            http_get_on(stream, path)
+        }
+    }
+}
+
+fn http_get_on(
+    mut stream: impl std::io::Read + std::io::Write,
+    path: &str,
+) -> Option<(u16, String)> {
     write!(
         stream,
         "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
@@ -1598,11 +1692,7 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 fn both_installs_start_from_their_own_command_lines_and_pass_their_probes() {
     for install in INSTALLS {
         let objects = rendered(install);
-        let needs_etcd = workloads(&objects).iter().any(|w| {
-            containers(w.template)
-                .iter()
-                .any(|c| strings(&c["command"]).first().map(String::as_str) == Some("etcd"))
-        });
+        let needs_etcd = workloads(&objects).iter().any(runs_etcd);
         if needs_etcd {
             let etcd = Command::new("etcd")
                 .arg("--version")
@@ -1656,7 +1746,8 @@ fn both_installs_start_from_their_own_command_lines_and_pass_their_probes() {
             }
             let annotations = labels(&w.template["metadata"]["annotations"]);
             let port: u16 = annotations["prometheus.io/port"].parse().unwrap();
-            let (status, body) = http_get(pod.ports[&port], &annotations["prometheus.io/path"])
+            let at = LocalCluster::port(pod, port);
+            let (status, body) = http_get(&at, &annotations["prometheus.io/path"])
                 .unwrap_or_else(|| panic!("{}: no answer on metrics port {port}", pod.name));
             assert!(
                 status == 200 && body.contains("# TYPE"),
