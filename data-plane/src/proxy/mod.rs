@@ -79,6 +79,8 @@ impl Router {
         access: Access,
         upstream_tls: tokio_rustls::TlsConnector,
     ) -> Self {
+        // each instance's upstream pool keeps a slot per worker thread
+        crate::upstream::set_workers(config.resolved_workers());
         Router {
             table: ArcSwapOption::empty(),
             table_applied: tokio::sync::Notify::new(),
