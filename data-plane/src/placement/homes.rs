@@ -204,7 +204,13 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
     let hashes = v.id_hashes();
     let even = reused.div_ceil(hashes.len()).max(1) as u32;
     let last = homes.held();
-    let held_at = |h: u64| last.iter().find(|x| x.0 == h).map_or(0, |x| x.1);
+    // stored in instance order: where the instances are those of the last pass, at their index
+    let held_at = |i: usize, h: u64| {
+        last.get(i)
+            .filter(|x| x.0 == h)
+            .or_else(|| last.iter().find(|x| x.0 == h))
+            .map_or(0, |x| x.1)
+    };
     let mut cap = homes.capacity();
     let mut overflowed = false;
     for (i, instance) in v.instances().iter().enumerate() {
@@ -216,7 +222,7 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
             continue;
         };
         overflowed = true;
-        let k = held_at(hashes[i]);
+        let k = held_at(i, hashes[i]);
         if k > even {
             // the cache holds about k * (1 - missed) (see above)
             let holds = ((f64::from(k) * (1.0 - missed)).floor() as u32).clamp(even, k - 1);
