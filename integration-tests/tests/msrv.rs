@@ -1,7 +1,7 @@
 //! The MSRV stated in the workspace's `Cargo.toml` is true of what builds: every workspace crate
 //! inherits it (so clippy's `incompatible_msrv` lint holds the code to it), and no locked
 //! dependency needs a newer Rust. (`cargo +MSRV check` needs a toolchain download; this reads
-//! the `rust-version` each package declares instead.)
+//! the `rust-version` each package declares instead, for the packages this platform builds.)
 
 use std::path::Path;
 use std::process::Command;
@@ -16,8 +16,21 @@ fn minor_version(v: &str) -> (u32, u32) {
 fn every_crate_states_the_msrv_and_no_locked_dependency_needs_more() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // The packages this platform builds: a fresh machine has downloaded only those (others', e.g.
+    // Windows-only ones, are in the lock file but not on disk, and --offline cannot fetch them).
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let version = Command::new(rustc)
+        .arg("-vV")
+        .output()
+        .expect("rustc -vV runs");
+    let version = String::from_utf8_lossy(&version.stdout);
+    let host = version
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .expect("rustc -vV names the host");
     let out = Command::new(cargo)
         .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .args(["--filter-platform", host])
         .current_dir(&root)
         .output()
         .expect("cargo metadata runs");
