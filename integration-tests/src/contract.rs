@@ -593,6 +593,20 @@ pub async fn watcher_gets_current_table_then_each_version_and_reports_rollout(ba
                 .await;
         } else {
             w.reply(&resp, "").await;
+            // Recorded before the next version is pushed: a reply to a push that is no longer
+            // the latest is stale (xDS), ignored, and the node would stay a version behind.
+            let version = resp.version;
+            wait_for("ACK recorded", Duration::from_secs(5), || {
+                let mut c = c.clone();
+                async move {
+                    let d = describe_endpoint(&mut c, "ep").await;
+                    d.data_planes
+                        .iter()
+                        .any(|n| n.node_id == "router-1" && n.applied_version == version)
+                        .then_some(())
+                }
+            })
+            .await;
         }
     }
     // A NACK is recorded and leaves the node behind.
