@@ -89,6 +89,28 @@ pub async fn endpoint_ep_over_a(
     create_endpoint(c, "ep", "cfg").await
 }
 
+/// Waits (5 s at most) until endpoint `ep` shows node `node_id` in a state `ok` accepts; the
+/// endpoint's description then.
+async fn wait_for_node(
+    c: &ControlPlaneClient<Channel>,
+    what: &str,
+    node_id: &str,
+    ok: impl Fn(&DataPlaneStatus) -> bool,
+) -> DescribeEndpointResponse {
+    let ok = &ok;
+    wait_for(what, Duration::from_secs(5), || {
+        let mut c = c.clone();
+        async move {
+            let d = describe_endpoint(&mut c, "ep").await;
+            d.data_planes
+                .iter()
+                .any(|n| n.node_id == node_id && ok(n))
+                .then_some(d)
+        }
+    })
+    .await
+}
+
 pub async fn describe_endpoint(
     c: &mut ControlPlaneClient<Channel>,
     name: &str,
@@ -550,15 +572,8 @@ pub async fn watcher_gets_current_table_then_each_version_and_reports_rollout(ba
     );
     assert_eq!(table.endpoints[0].variants[0].instances[0].address, A);
     w.reply(&resp, "").await;
-    wait_for("ACK recorded", Duration::from_secs(5), || {
-        let mut c = c.clone();
-        async move {
-            let d = describe_endpoint(&mut c, "ep").await;
-            d.data_planes
-                .iter()
-                .find(|n| n.node_id == "router-1" && n.up_to_date && n.connected)
-                .map(|_| ())
-        }
+    wait_for_node(&c, "ACK recorded", "router-1", |n| {
+        n.up_to_date && n.connected
     })
     .await;
 
@@ -596,31 +611,14 @@ pub async fn watcher_gets_current_table_then_each_version_and_reports_rollout(ba
             // Recorded before the next version is pushed: a reply to a push that is no longer
             // the latest is stale (xDS), ignored, and the node would stay a version behind.
             let version = resp.version;
-            wait_for("ACK recorded", Duration::from_secs(5), || {
-                let mut c = c.clone();
-                async move {
-                    let d = describe_endpoint(&mut c, "ep").await;
-                    d.data_planes
-                        .iter()
-                        .any(|n| n.node_id == "router-1" && n.applied_version == version)
-                        .then_some(())
-                }
+            wait_for_node(&c, "ACK recorded", "router-1", |n| {
+                n.applied_version == version
             })
             .await;
         }
     }
     // A NACK is recorded and leaves the node behind.
-    let d = wait_for("NACK recorded", Duration::from_secs(5), || {
-        let mut c = c.clone();
-        async move {
-            let d = describe_endpoint(&mut c, "ep").await;
-            d.data_planes
-                .iter()
-                .any(|n| n.node_id == "router-1" && !n.last_nack.is_empty())
-                .then_some(d)
-        }
-    })
-    .await;
+    let d = wait_for_node(&c, "NACK recorded", "router-1", |n| !n.last_nack.is_empty()).await;
     let node = d
         .data_planes
         .iter()
