@@ -38,7 +38,7 @@ pub(crate) type UpstreamBody = Full<Bytes>;
 
 /// Connect timeout towards instances (a black-holed instance fails over within it).
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Idle connections kept per instance; more are closed when they come back.
+/// Idle connections kept per instance and worker thread; more are closed when they come back.
 pub(crate) const MAX_IDLE: usize = 1024;
 /// An idle connection older than this is closed rather than reused (servers drop idle
 /// keep-alive connections after a while; uvicorn after 5 s, nginx after 75 s).
