@@ -23,7 +23,7 @@ use integration_tests::deploy::{
 };
 use manifests::strings;
 use serde_yaml_ng::Value;
-use test_support::{python_modules, require_tool, ChildServer};
+use test_support::{python_modules, require_tool, wait_for_blocking, ChildServer};
 
 mod manifests;
 
@@ -1545,26 +1545,24 @@ impl<'a> LocalCluster<'a> {
     /// Reads where pod `p` bound each `0.0.0.0:PORT` of its command line `argv` from its
     /// `listening on` lines (it was given `127.0.0.1:0`).
     fn learn_ports(&mut self, p: usize, argv: &[String]) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         for (i, arg) in argv.iter().enumerate() {
             let Some(port) = arg.strip_prefix("0.0.0.0:") else {
                 continue;
             };
             let line = listening_line(&argv[0], &argv[i - 1]);
-            let bound = loop {
-                let log = self.log(&self.pods[p]);
-                let found = log.lines().find_map(|l| l.strip_prefix(line.as_str()));
-                if let Some(addr) = found {
-                    break addr.parse::<std::net::SocketAddr>().unwrap().port();
+            let pod = &mut self.pods[p];
+            let log_file = pod.dir.join("log");
+            let what = format!("{}'s \"{line}ADDR\" line", pod.name);
+            let bound = wait_for_blocking(&what, std::time::Duration::from_secs(30), || {
+                let log = std::fs::read_to_string(&log_file).unwrap_or_default();
+                if let Some(addr) = log.lines().find_map(|l| l.strip_prefix(line.as_str())) {
+                    return Some(addr.parse::<std::net::SocketAddr>().unwrap().port());
                 }
-                let exited = self.pods[p].child.as_mut().unwrap().try_wait().unwrap();
-                assert!(
-                    exited.is_none() && std::time::Instant::now() < deadline,
-                    "{}: no \"{line}ADDR\" line ({exited:?}): {log}",
-                    self.pods[p].name
-                );
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            };
+                if let Some(status) = pod.child.as_mut().unwrap().try_wait().unwrap() {
+                    panic!("{} exited ({status}) before {what}: {log}", pod.name);
+                }
+                None
+            });
             self.pods[p]
                 .ports
                 .insert(port.parse().unwrap(), Local::Tcp(bound));
