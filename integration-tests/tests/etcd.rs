@@ -150,7 +150,7 @@ async fn an_update_through_one_replica_reaches_the_routers_of_every_replica() {
             .routing_table_version;
         wait_for(
             "replica B's router to apply it",
-            Duration::from_secs(1),
+            Duration::from_secs(10),
             || async { table_version(&dp2).await.filter(|&v| v >= version) },
         )
         .await;
@@ -238,7 +238,17 @@ async fn eight_writers_through_three_replicas_lose_no_acknowledged_update() {
         n,
         "a routing-table version was given out twice"
     );
-    let latest = ca.describe_endpoint_config("cfg", None).await.unwrap();
+    // Replica 0 reads from its mirror, which the other replicas' last commits reach through its
+    // watch: every acknowledged update becomes a revision there, and nothing beyond them.
+    let latest = wait_for(
+        "replica 0 to see every acknowledged update",
+        Duration::from_secs(10),
+        || async {
+            let d = ca.describe_endpoint_config("cfg", None).await.unwrap();
+            (d.latest_revision >= 1 + n as u64).then_some(d)
+        },
+    )
+    .await;
     assert_eq!(
         latest.latest_revision,
         1 + n as u64,
@@ -297,6 +307,32 @@ async fn two_stores(
     (a, b)
 }
 
+/// Waits until `store`'s mirror (fed by its etcd watch) holds revision `revision` of config `name`.
+async fn sees_revision(
+    store: &Arc<control_plane::store::Store>,
+    name: &'static str,
+    revision: u64,
+) {
+    let store = store.clone();
+    wait_for(
+        &format!("the replica to see {name}@{revision}"),
+        Duration::from_secs(10),
+        || {
+            let store = store.clone();
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    store.describe_config(name, Some(revision)).ok()
+                })
+                .await
+                .ok()
+                .flatten()
+                .map(drop)
+            }
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_computed_before_another_replicas_commit_reached_it_is_retried_not_written() {
     if !etcd_here("etcd replicas") {
@@ -318,18 +354,7 @@ async fn a_change_computed_before_another_replicas_commit_reached_it_is_retried_
     .await
     .unwrap();
     // B's mirror has the config (through its watch) before the race is staged.
-    let b1 = b.clone();
-    wait_for("B to see the config", Duration::from_secs(10), || {
-        let b = b1.clone();
-        async move {
-            tokio::task::spawn_blocking(move || b.describe_config("cfg", None).ok())
-                .await
-                .ok()
-                .flatten()
-                .map(drop)
-        }
-    })
-    .await;
+    sees_revision(&b, "cfg", 1).await;
     // A's first commit waits while B commits revision 2 and A's mirror receives it: A computed
     // its change (revision 2 too) from the state before.
     let once = Arc::new(AtomicBool::new(false));
@@ -358,6 +383,8 @@ async fn a_change_computed_before_another_replicas_commit_reached_it_is_retried_
         config.revision, 3,
         "A's change was computed before B's revision 2 and must be retried on top of it"
     );
+    // B reads from its mirror, which A's commit reaches through B's watch.
+    sees_revision(&b, "cfg", 3).await;
     let b3 = b.clone();
     let history = tokio::task::spawn_blocking(move || {
         (1..=3)
@@ -423,7 +450,7 @@ async fn a_router_moves_to_the_next_replica_when_its_replica_dies() {
     let killed = Instant::now();
     wait_for(
         "the router on replica B",
-        Duration::from_secs(2),
+        Duration::from_secs(10),
         || async {
             let d = cb.describe_endpoint("ep").await.ok()?;
             d.data_planes
@@ -439,7 +466,7 @@ async fn a_router_moves_to_the_next_replica_when_its_replica_dies() {
         .await
         .unwrap()
         .routing_table_version;
-    wait_for("the update through B", Duration::from_secs(2), || async {
+    wait_for("the update through B", Duration::from_secs(10), || async {
         table_version(&dp).await.filter(|&v| v >= version)
     })
     .await;
@@ -526,7 +553,6 @@ async fn instance_leases_outlive_their_replica_and_expire_when_nobody_renews() {
         .register_instance("ep", "v1", "http://127.0.0.1:19", 2)
         .await
         .unwrap();
-    a.kill9();
     let registered = |c: &Client| {
         let c = c.clone();
         async move {
@@ -536,6 +562,12 @@ async fn instance_leases_outlive_their_replica_and_expire_when_nobody_renews() {
                 .unwrap_or(usize::MAX)
         }
     };
+    // B's mirror has the registration (through its watch) before A dies.
+    wait_for("B to see the instance", Duration::from_secs(10), || async {
+        (registered(&cb).await == 1).then_some(())
+    })
+    .await;
+    a.kill9();
     // Renewed through B for 4 s (twice the TTL): still there.
     for _ in 0..8 {
         cb.renew_instance_lease(&inst.instance_id).await.unwrap();
