@@ -129,6 +129,11 @@ pub struct Config {
     #[arg(long, value_name = "PEM")]
     pub upstream_ca_cert: Option<PathBuf>,
 
+    /// Also serve Envoy's external-processing gRPC API here: the router as a Gateway API
+    /// Inference Extension endpoint picker, from the same table and placement (see ext_proc).
+    #[arg(long, value_name = "ADDR")]
+    pub ext_proc_listen: Option<String>,
+
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,

@@ -52,6 +52,7 @@ use tokio::net::TcpListener;
 mod access;
 pub mod config;
 pub mod decision;
+pub mod ext_proc;
 pub mod feedback;
 pub mod load;
 pub mod metrics;
@@ -146,6 +147,18 @@ pub async fn serve(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_with_picker(listener, None, config, shutdown).await
+}
+
+/// [`serve`], and with `ext_proc` the endpoint picker ([`ext_proc`]) on that listener too, from
+/// the same table and placement; it stops with the HTTP listener and its streams get the same
+/// grace period.
+pub async fn serve_with_picker(
+    listener: TcpListener,
+    ext_proc: Option<TcpListener>,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let Prepared {
         access,
         tls,
@@ -188,6 +201,15 @@ pub async fn serve(
 
     // 0: serving, 1: draining (finish in-flight requests), 2: grace over (close now).
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(0u8);
+    let picker = ext_proc.map(|l| {
+        if let Ok(addr) = l.local_addr() {
+            tracing::info!(%addr, "endpoint picker (ext_proc) serving");
+        }
+        let mut stop = stop_rx.clone();
+        tokio::spawn(ext_proc::serve(router.clone(), l, async move {
+            reached(&mut stop, 1).await
+        }))
+    });
     // Every worker thread and connection task holds a clone; `recv` returns None once all are
     // gone.
     let (drain_tx, mut drain_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -261,6 +283,15 @@ pub async fn serve(
         );
         let _ = stop_tx.send(2);
         let _ = drain_rx.recv().await;
+    }
+    if let Some(picker) = picker {
+        // Envoy keeps its gRPC connection open: streams still open after the grace are cut.
+        match tokio::time::timeout(grace, picker).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!("endpoint picker: {e}"),
+            Ok(Err(e)) => tracing::warn!("endpoint picker task: {e}"),
+            Err(_) => tracing::warn!("endpoint picker streams still open after the grace period"),
+        }
     }
     Ok(())
 }

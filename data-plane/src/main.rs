@@ -29,10 +29,26 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let ext_proc = match &config.ext_proc_listen {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => {
+                if let Ok(bound) = l.local_addr() {
+                    eprintln!("data-plane ext-proc listening on {bound}");
+                }
+                Some(l)
+            }
+            Err(e) => {
+                eprintln!("data-plane: cannot listen on {addr} (--ext-proc-listen): {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    // after the picker's line: a harness that waits for this one finds both
     if let Ok(addr) = listener.local_addr() {
         eprintln!("data-plane listening on {addr}");
     }
-    match data_plane::serve(listener, config, shutdown_signal()).await {
+    match data_plane::serve_with_picker(listener, ext_proc, config, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("data-plane: {e:#}");

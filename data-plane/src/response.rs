@@ -92,6 +92,27 @@ pub(crate) struct Outcome {
     pub(crate) feedback: FeedbackTuning,
 }
 
+impl Outcome {
+    /// The response ended whole: its prefix counts as served on the instance, and the engine's
+    /// report (if it sent one) is learned from.
+    pub(crate) fn learn(&self, in_flight: &InFlight) {
+        if self.placed != 0 {
+            in_flight.variant().served().insert(self.placed);
+        }
+        if let Some(report) = self.scanner.report() {
+            self.stats.record_usage(self.rule, report);
+            in_flight.variant().feedback().learn(
+                self.rule,
+                self.visit,
+                report,
+                now_ms(),
+                &self.feedback,
+                in_flight.instance().cache(),
+            );
+        }
+    }
+}
+
 impl UpstreamStream {
     /// The body ended: the exchange was a success for passive health (unless a 5xx), and the
     /// engine's report (if it sent one) is learned from.
@@ -100,20 +121,7 @@ impl UpstreamStream {
             self.in_flight.instance().record_success();
         }
         if let Some(o) = &self.outcome {
-            if o.placed != 0 {
-                self.in_flight.variant().served().insert(o.placed);
-            }
-            if let Some(report) = o.scanner.report() {
-                o.stats.record_usage(o.rule, report);
-                self.in_flight.variant().feedback().learn(
-                    o.rule,
-                    o.visit,
-                    report,
-                    now_ms(),
-                    &o.feedback,
-                    self.in_flight.instance().cache(),
-                );
-            }
+            o.learn(&self.in_flight);
         }
     }
 

@@ -26,7 +26,8 @@ use tracing::field::Empty;
 use tracing::Span;
 
 use self::forward::Exchange;
-use self::request::{invocation_endpoint, routing_headers};
+pub(crate) use self::request::invocation_endpoint;
+use self::request::routing_headers;
 use crate::access::{self, Access};
 use crate::config::Config;
 use crate::load::{now_ms, InFlight};
@@ -97,6 +98,10 @@ impl Router {
             request_timeout: config.request_timeout(),
             body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
         }
+    }
+
+    pub(crate) fn max_body_bytes(&self) -> usize {
+        self.max_body_bytes
     }
 
     pub(crate) async fn handle(

