@@ -283,3 +283,18 @@ pub mod deploy {
         }
     }
 }
+
+/// An engine-sim served in this process on a loopback port, at `time_scale` (0.01: a hundred
+/// times faster than the modelled GPU); returns its URL.
+pub async fn spawn_engine_sim(time_scale: f64) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let url = format!("http://{}", listener.local_addr().expect("bound address"));
+    let engine = engine_sim::Config {
+        time_scale,
+        ..engine_sim::Config::default()
+    };
+    tokio::spawn(engine_sim::serve(listener, engine, std::future::pending()));
+    url
+}

@@ -3,7 +3,10 @@
 //! it for each request and an `ORIGINAL_DST` cluster following `x-gateway-destination-endpoint`
 //! to three engine-sims. Placement is checked by the engines' own counters.
 //!
-//! When `envoy` is not on PATH the tests say they skipped; under `CI=true` they fail (`.ci/run`
+//! The protocol's edges (subset hint, fallback, refusals, a stream cut before its response)
+//! are checked with a gRPC client speaking as Envoy does, at the end of this file.
+//!
+//! When `envoy` is not on PATH the tests through it say they skipped; under `CI=true` they fail (`.ci/run`
 //! installs the wheel).
 
 use std::path::{Path, PathBuf};
@@ -190,17 +193,19 @@ struct Fleet {
 
 impl Fleet {
     async fn start(strategy: RoutingStrategy) -> Self {
+        Self::start_with(strategy, |_| {}).await
+    }
+
+    /// [`Self::start`] with the data plane's settings changed by `tweak`.
+    async fn start_with(
+        strategy: RoutingStrategy,
+        tweak: impl FnOnce(&mut data_plane::Config),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let control_plane = InProcessControlPlane::start(dir.path()).await;
         let mut engines = Vec::new();
         for _ in 0..3 {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            engines.push(format!("http://{}", listener.local_addr().unwrap()));
-            let engine = engine_sim::Config {
-                time_scale: 0.01,
-                ..engine_sim::Config::default()
-            };
-            tokio::spawn(engine_sim::serve(listener, engine, std::future::pending()));
+            engines.push(integration_tests::spawn_engine_sim(0.01).await);
         }
         let client = proto::client::Client::connect(control_plane.url.clone())
             .await
@@ -216,12 +221,13 @@ impl Fleet {
         let router = format!("http://{}", listener.local_addr().unwrap());
         let ext = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let picker = ext.local_addr().unwrap().to_string();
-        let config = data_plane::Config {
+        let mut config = data_plane::Config {
             control_plane: control_plane.url.clone(),
             node_id: Some("dp-envoy".into()),
             default_endpoint: Some(ENDPOINT.into()),
             ..data_plane::Config::default()
         };
+        tweak(&mut config);
         tokio::spawn(data_plane::serve_with_picker(
             listener,
             Some(ext),
@@ -452,4 +458,290 @@ async fn a_strategy_swap_changes_envoys_routing_with_no_failed_request() {
         random.iter().filter(|&&n| n > 0).count() >= 2,
         "RANDOM through Envoy spreads the same document, got {random:?}"
     );
+}
+
+mod protocol {
+    //! The picker's side of the protocol, driven by a gRPC client that speaks as Envoy does.
+
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use envoy_types::pb::envoy::config::core::v3::{
+        HeaderMap, HeaderValue as EnvoyHeader, Metadata,
+    };
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        external_processor_client::ExternalProcessorClient, processing_request::Request as Msg,
+        processing_response::Response as Reply, HttpBody, HttpHeaders, ProcessingRequest,
+        ProcessingResponse, ProtocolConfiguration,
+    };
+    use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+    use proto::RoutingStrategy;
+    use test_support::wait_for;
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::ReceiverStream;
+
+    use super::{chat, document, Fleet, ONE};
+
+    /// One request's stream, as Envoy opens it (request body BUFFERED).
+    struct Exchange {
+        tx: mpsc::Sender<ProcessingRequest>,
+        rx: tonic::Streaming<ProcessingResponse>,
+    }
+
+    impl Exchange {
+        async fn open(picker: &str) -> Self {
+            let mut client = ExternalProcessorClient::connect(format!("http://{picker}"))
+                .await
+                .expect("the picker accepts");
+            let (tx, out) = mpsc::channel(4);
+            let rx = client
+                .process(ReceiverStream::new(out))
+                .await
+                .expect("a stream")
+                .into_inner();
+            Exchange { tx, rx }
+        }
+
+        async fn next(&mut self) -> ProcessingResponse {
+            tokio::time::timeout(Duration::from_secs(10), self.rx.message())
+                .await
+                .expect("a reply within 10 s")
+                .expect("no stream error")
+                .expect("the stream stays open")
+        }
+
+        /// Headers (with the subset hint, if any), then the whole body: the picker's answer to
+        /// the body (or its ImmediateResponse to either).
+        async fn request(&mut self, body: &[u8], subset: Option<&[&str]>) -> ProcessingResponse {
+            let header = |k: &str, v: &str| EnvoyHeader {
+                key: k.into(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            };
+            let metadata_context = subset.map(|s| {
+                let list = Value {
+                    kind: Some(Kind::ListValue(ListValue {
+                        values: s
+                            .iter()
+                            .map(|a| Value {
+                                kind: Some(Kind::StringValue(a.to_string())),
+                            })
+                            .collect(),
+                    })),
+                };
+                Metadata {
+                    filter_metadata: HashMap::from([(
+                        data_plane::ext_proc::SUBSET_NAMESPACE.to_string(),
+                        Struct {
+                            fields: HashMap::from([(
+                                data_plane::ext_proc::SUBSET_KEY.to_string(),
+                                list,
+                            )]),
+                        },
+                    )]),
+                    ..Default::default()
+                }
+            });
+            let first = ProcessingRequest {
+                protocol_config: Some(ProtocolConfiguration {
+                    request_body_mode: BodySendMode::Buffered as i32,
+                    response_body_mode: BodySendMode::Buffered as i32,
+                    ..Default::default()
+                }),
+                metadata_context,
+                request: Some(Msg::RequestHeaders(HttpHeaders {
+                    headers: Some(HeaderMap {
+                        headers: vec![
+                            header(":method", "POST"),
+                            header(":path", "/v1/chat/completions"),
+                            header("content-type", "application/json"),
+                        ],
+                    }),
+                    end_of_stream: false,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            self.tx.send(first).await.unwrap();
+            let reply = self.next().await;
+            if matches!(reply.response, Some(Reply::ImmediateResponse(_))) {
+                return reply;
+            }
+            assert!(
+                matches!(reply.response, Some(Reply::RequestHeaders(_))),
+                "{reply:?}"
+            );
+            let body = ProcessingRequest {
+                request: Some(Msg::RequestBody(HttpBody {
+                    body: body.to_vec(),
+                    end_of_stream: true,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            self.tx.send(body).await.unwrap();
+            self.next().await
+        }
+    }
+
+    /// The `x-gateway-destination-endpoint` the reply sets, and the `envoy.lb` metadata's list.
+    fn pick(reply: &ProcessingResponse) -> (String, String) {
+        let Some(Reply::RequestBody(body)) = &reply.response else {
+            panic!("a body response with the pick, got {reply:?}");
+        };
+        let set = &body
+            .response
+            .as_ref()
+            .unwrap()
+            .header_mutation
+            .as_ref()
+            .unwrap()
+            .set_headers;
+        let header = set
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == data_plane::ext_proc::DESTINATION)
+            .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
+            .expect("the destination header");
+        let lb = &reply
+            .dynamic_metadata
+            .as_ref()
+            .expect("dynamic metadata")
+            .fields[data_plane::ext_proc::LB_NAMESPACE];
+        let Some(Kind::StructValue(lb)) = &lb.kind else {
+            panic!("{lb:?}")
+        };
+        let Some(Kind::StringValue(list)) = &lb.fields[data_plane::ext_proc::DESTINATION].kind
+        else {
+            panic!("{lb:?}")
+        };
+        (header, list.clone())
+    }
+
+    fn immediate_status(reply: &ProcessingResponse) -> (i32, String) {
+        let Some(Reply::ImmediateResponse(r)) = &reply.response else {
+            panic!("an ImmediateResponse, got {reply:?}");
+        };
+        (
+            r.status.as_ref().unwrap().code,
+            String::from_utf8_lossy(&r.body).into_owned(),
+        )
+    }
+
+    fn body(topic: &str) -> Vec<u8> {
+        serde_json::to_vec(&chat(&document(topic), "why?", false)).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_pick_names_a_fallback_and_keeps_to_the_subset_hint() {
+        let _one = ONE.lock().await;
+        let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
+        let engines: Vec<String> = fleet
+            .engines
+            .iter()
+            .map(|u| u.trim_start_matches("http://").to_string())
+            .collect();
+        let (primary, list) = pick(
+            &Exchange::open(&fleet.picker)
+                .await
+                .request(&body("tides"), None)
+                .await,
+        );
+        assert!(engines.contains(&primary), "{primary} of {engines:?}");
+        let order: Vec<&str> = list.split(',').collect();
+        assert_eq!(order.len(), 2, "the pick and a fallback: {list}");
+        assert_eq!(order[0], primary);
+        assert_ne!(order[1], primary);
+        assert!(engines.iter().any(|e| e == order[1]));
+
+        // The same document again: the same engine (affinity), unless the hint leaves it out.
+        let (again, _) = pick(
+            &Exchange::open(&fleet.picker)
+                .await
+                .request(&body("tides"), None)
+                .await,
+        );
+        assert_eq!(again, primary);
+        let other = engines.iter().find(|e| **e != primary).unwrap().as_str();
+        let (hinted, list) = pick(
+            &Exchange::open(&fleet.picker)
+                .await
+                .request(&body("tides"), Some(&[other]))
+                .await,
+        );
+        assert_eq!(
+            hinted, other,
+            "the subset hint names the only eligible engine"
+        );
+        assert_eq!(list, other, "no fallback outside the subset");
+
+        let none = Exchange::open(&fleet.picker)
+            .await
+            .request(&body("tides"), Some(&["192.0.2.1:8000"]))
+            .await;
+        let (status, message) = immediate_status(&none);
+        assert_eq!(status, 503, "{message}");
+        assert!(message.contains("subset"), "{message}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_max_in_flight_429_and_a_cut_stream_frees_its_place() {
+        let _one = ONE.lock().await;
+        let fleet = Fleet::start_with(RoutingStrategy::PrefixAware, |c| {
+            c.max_in_flight = 1;
+            c.max_body_bytes = 64 * 1024;
+        })
+        .await;
+        // Picked, and its response never comes: it stays in flight.
+        let mut held = Exchange::open(&fleet.picker).await;
+        pick(&held.request(&body("tides"), None).await);
+        assert_eq!(fleet.in_flight().await, 1);
+
+        let refused = Exchange::open(&fleet.picker)
+            .await
+            .request(&body("glaciers"), None)
+            .await;
+        let (status, message) = immediate_status(&refused);
+        assert_eq!(status, 429, "{message}");
+        let Some(Reply::ImmediateResponse(r)) = &refused.response else {
+            unreachable!()
+        };
+        let headers = &r.headers.as_ref().unwrap().set_headers;
+        assert!(
+            headers
+                .iter()
+                .filter_map(|h| h.header.as_ref())
+                .any(|h| h.key == "retry-after"),
+            "{headers:?}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&message).unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_exceeded");
+
+        // Envoy resets the stream (the client went away): the place is free again.
+        drop(held);
+        wait_for(
+            "the cut stream's place to free",
+            Duration::from_secs(5),
+            || async { (fleet.in_flight().await == 0).then_some(()) },
+        )
+        .await;
+        pick(
+            &Exchange::open(&fleet.picker)
+                .await
+                .request(&body("glaciers"), None)
+                .await,
+        );
+
+        // A body over --max-body-bytes: 413, naming the limit.
+        let big = vec![b'x'; 65 * 1024];
+        let (status, message) = immediate_status(
+            &Exchange::open(&fleet.picker)
+                .await
+                .request(&big, None)
+                .await,
+        );
+        assert_eq!(status, 413, "{message}");
+        assert!(message.contains("65536"), "{message}");
+    }
 }

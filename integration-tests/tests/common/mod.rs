@@ -56,13 +56,7 @@ impl Fleet {
             InProcessControlPlane::start(dir.path()).await
         };
 
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let engine_url = format!("http://{}", listener.local_addr().unwrap());
-        let engine = engine_sim::Config {
-            time_scale: 0.01,
-            ..engine_sim::Config::default()
-        };
-        tokio::spawn(engine_sim::serve(listener, engine, std::future::pending()));
+        let engine_url = integration_tests::spawn_engine_sim(0.01).await;
 
         let client = proto::client::Client::connect(control_plane.url.clone())
             .await
