@@ -43,8 +43,9 @@ fn envoy_binary(test: &str) -> Option<PathBuf> {
     test_support::require_tool(test, found)
 }
 
-/// Envoy with one listener whose ext_proc filter asks `picker` in `body_mode` (`BUFFERED` or
-/// `FULL_DUPLEX_STREAMED`) and routes to the `ORIGINAL_DST` cluster; admin and listener on port 0.
+/// Envoy from `deploy/envoy/envoy.yaml`: one listener whose ext_proc filter asks `picker` in
+/// `body_mode` (`BUFFERED` or `FULL_DUPLEX_STREAMED`) and routes to the `ORIGINAL_DST` cluster;
+/// admin and listener on port 0.
 struct Envoy {
     child: Child,
     url: String,
@@ -54,74 +55,28 @@ struct Envoy {
 impl Envoy {
     async fn start(bin: &Path, dir: &Path, picker: &str, body_mode: &str) -> Self {
         let (host, port) = picker.rsplit_once(':').expect("ip:port");
-        let trailers = if body_mode == "FULL_DUPLEX_STREAMED" {
-            "SEND"
-        } else {
-            "SKIP"
-        };
-        let config = format!(
-            r#"
-admin:
-  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-static_resources:
-  listeners:
-  - name: gateway
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route: {{ cluster: models, timeout: 60s }}
-          http_filters:
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{ cluster_name: picker }}
-                timeout: 10s
-              failure_mode_allow: false
-              message_timeout: 10s
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SEND
-                request_body_mode: {body_mode}
-                response_body_mode: {body_mode}
-                request_trailer_mode: {trailers}
-                response_trailer_mode: {trailers}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: models
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 5s
-    original_dst_lb_config:
-      use_http_header: true
-      http_header_name: x-gateway-destination-endpoint
-  - name: picker
-    type: STATIC
-    connect_timeout: 5s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: picker
-      endpoints:
-      - lb_endpoints:
-        - endpoint:
-            address: {{ socket_address: {{ address: {host}, port_value: {port} }} }}
-"#
-        );
+        // The example the README points to, on free ports and in `body_mode`.
+        let example = std::fs::read_to_string(integration_tests::deploy::repo_file(
+            "deploy/envoy/envoy.yaml",
+        ))
+        .unwrap();
+        let mut config = example.clone();
+        for (from, to) in [
+            ("port_value: 9901", "port_value: 0".to_string()),
+            ("port_value: 8081", "port_value: 0".to_string()),
+            (
+                "address: 127.0.0.1, port_value: 9002",
+                format!("address: {host}, port_value: {port}"),
+            ),
+        ] {
+            assert_eq!(example.matches(from).count(), 1, "{from} in the example");
+            config = config.replace(from, &to);
+        }
+        if body_mode != "FULL_DUPLEX_STREAMED" {
+            config = config
+                .replace("FULL_DUPLEX_STREAMED", body_mode)
+                .replace("trailer_mode: SEND", "trailer_mode: SKIP");
+        }
         let yaml = dir.join(format!("envoy-{body_mode}.yaml"));
         std::fs::write(&yaml, config).unwrap();
         let admin_file = dir.join(format!("envoy-{body_mode}.admin"));
@@ -744,4 +699,25 @@ mod protocol {
         assert_eq!(status, 413, "{message}");
         assert!(message.contains("65536"), "{message}");
     }
+}
+
+/// No picker to ask (it died, or is not up yet): with the example's `failure_mode_allow: false`,
+/// Envoy answers 500 itself and no request reaches an engine without a pick.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_picker_envoy_refuses_and_no_engine_is_reached() {
+    let Some(bin) = envoy_binary("envoy without its picker") else {
+        return;
+    };
+    let _one = ONE.lock().await;
+    let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
+    let gone = format!("127.0.0.1:{}", test_support::unused_port());
+    let envoy = Envoy::start(&bin, fleet._dir.path(), &gone, "FULL_DUPLEX_STREAMED").await;
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    for q in 0..3 {
+        let (status, _, body) = fleet
+            .post(&url, chat(&document("tides"), &format!("q{q}"), false))
+            .await;
+        assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(fleet.served().await, [0, 0, 0]);
 }
