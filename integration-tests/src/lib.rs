@@ -3,6 +3,7 @@
 //! condition, child processes on port 0, the skip policy) are in `test-support`.
 
 pub mod contract;
+pub mod envoy;
 pub mod etcd;
 pub mod fault;
 

