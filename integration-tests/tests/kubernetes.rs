@@ -39,10 +39,12 @@ const OTLP_ENDPOINT: &str = "http://otel-collector.observability:4317";
 /// Flags whose value starts with `/` without being a file path.
 const NOT_PATHS: [&str; 1] = ["--etcd-prefix"];
 /// Kinds the renderer knows to be namespaced (anything else it refuses to guess about).
-const NAMESPACED: [&str; 9] = [
+const NAMESPACED: [&str; 11] = [
     "ConfigMap",
     "Deployment",
+    "HTTPRoute",
     "HorizontalPodAutoscaler",
+    "InferencePool",
     "NetworkPolicy",
     "PodDisruptionBudget",
     "Secret",
@@ -324,6 +326,257 @@ fn every_rendered_object_passes_the_kubernetes_schemas() {
     );
 }
 
+/// The Gateway API install: the default install's objects unchanged, plus an InferencePool and
+/// an HTTPRoute (custom resources, which kubernetes-validate has no schema for: their fields are
+/// checked here against the published `inference.networking.k8s.io/v1` and
+/// `gateway.networking.k8s.io/v1` APIs), the pool's endpoint picker being the data plane's
+/// ext-proc port.
+#[test]
+fn the_gateway_api_install_adds_a_pool_whose_endpoint_picker_is_the_data_plane() {
+    let default = rendered(INSTALLS[0]);
+    let objects = rendered(GATEWAY_API);
+    let (custom, core): (Vec<&Value>, Vec<&Value>) = objects
+        .iter()
+        .partition(|o| ["InferencePool", "HTTPRoute"].contains(&kind(o)));
+    assert_eq!(
+        core.len(),
+        default.len(),
+        "the default install's objects, no more"
+    );
+    for o in &core {
+        assert_eq!(find(&default, kind(o), name(o)), Some(*o), "{}", id(o));
+    }
+    let pool = find(&objects, "InferencePool", "models").expect("an InferencePool");
+    let route = find(&objects, "HTTPRoute", "models").expect("an HTTPRoute");
+    assert_eq!(custom.len(), 2);
+    assert_eq!(inference_pool_problems(pool), Vec::<String>::new());
+    assert_eq!(http_route_problems(route), Vec::<String>::new());
+
+    // The picker: the Service the pool names, on the port the pool names, reaches the data-plane
+    // container's --ext-proc-listen.
+    let picker = &pool["spec"]["endpointPickerRef"];
+    let service = find(&objects, "Service", str_at(picker, &["name"]).unwrap())
+        .expect("the endpoint picker's Service");
+    let number = picker["port"]["number"].as_u64().unwrap();
+    let port = service["spec"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"].as_u64() == Some(number))
+        .expect("the Service serves the picker's port");
+    assert_eq!(str_at(port, &["appProtocol"]), Some("kubernetes.io/h2c"));
+    let all = workloads(&objects);
+    let selected = selected_by(&all, &service["spec"]["selector"]);
+    assert_eq!(
+        selected.len(),
+        1,
+        "one workload behind the picker's Service"
+    );
+    let container = &containers(selected[0].template)[0];
+    let target = resolve_port(&port["targetPort"], &container_ports(container)).unwrap();
+    let args = strings(&container["args"]);
+    assert_eq!(
+        flag_value(&args, "--ext-proc-listen").map(port_of),
+        Some(target),
+        "the picker's port is where the data plane serves ext_proc"
+    );
+    // The route sends to the pool.
+    let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(str_at(backend, &["name"]), Some(name(pool)));
+
+    // The checks see what they must: misspelt fields, a missing one and a bad enum.
+    let mut bad = pool.clone();
+    bad["spec"]["endpointPickerRef"]["failureMode"] = "FailSoft".into();
+    bad["spec"]["targetPort"] = bad["spec"]["targetPorts"].clone();
+    bad["spec"].as_mapping_mut().unwrap().remove("selector");
+    assert_eq!(
+        inference_pool_problems(&bad).len(),
+        3,
+        "{:?}",
+        inference_pool_problems(&bad)
+    );
+    let mut bad = route.clone();
+    bad["spec"]["rules"][0]["backendRefs"][0]["kind"] = "Service".into();
+    bad["spec"]["parentRef"] = bad["spec"]["parentRefs"].clone();
+    assert_eq!(
+        http_route_problems(&bad).len(),
+        2,
+        "{:?}",
+        http_route_problems(&bad)
+    );
+}
+
+/// The Gateway API install (an overlay of the default one).
+const GATEWAY_API: &str = "deploy/kubernetes/gateway-api";
+
+/// Keys of `v` outside `allowed`, and `required` ones missing, as messages naming `at`.
+fn keys_problems(v: &Value, at: &str, allowed: &[&str], required: &[&str]) -> Vec<String> {
+    let Some(map) = v.as_mapping() else {
+        return vec![format!("{at}: not a mapping")];
+    };
+    let mut out = Vec::new();
+    for k in map.keys().filter_map(|k| k.as_str()) {
+        if !allowed.contains(&k) {
+            out.push(format!("{at}.{k}: no such field"));
+        }
+    }
+    for r in required {
+        if !map.contains_key(*r) {
+            out.push(format!("{at}.{r}: required"));
+        }
+    }
+    out
+}
+
+fn port_number_problems(v: &Value, at: &str) -> Vec<String> {
+    let mut out = keys_problems(v, at, &["number"], &["number"]);
+    if !v["number"]
+        .as_u64()
+        .is_some_and(|n| (1..=65535).contains(&n))
+    {
+        out.push(format!("{at}.number: an integer in 1..=65535"));
+    }
+    out
+}
+
+/// An `inference.networking.k8s.io/v1` InferencePool's fields against the published API (v1.0):
+/// `spec.selector.matchLabels` (string to string), `spec.targetPorts` (exactly one `{number}`),
+/// `spec.endpointPickerRef` (`name`; `group`, `kind`, `port.number`, `failureMode` FailOpen or
+/// FailClose).
+fn inference_pool_problems(o: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    if str_at(o, &["apiVersion"]) != Some("inference.networking.k8s.io/v1") {
+        out.push("apiVersion: inference.networking.k8s.io/v1".to_string());
+    }
+    let spec = &o["spec"];
+    out.extend(keys_problems(
+        spec,
+        "spec",
+        &["selector", "targetPorts", "endpointPickerRef"],
+        &["selector", "targetPorts", "endpointPickerRef"],
+    ));
+    if let Some(selector) = spec.get("selector") {
+        out.extend(keys_problems(
+            selector,
+            "spec.selector",
+            &["matchLabels"],
+            &["matchLabels"],
+        ));
+        let labels = selector["matchLabels"].as_mapping();
+        if !labels.is_some_and(|m| !m.is_empty() && m.values().all(Value::is_string)) {
+            out.push("spec.selector.matchLabels: labels (string values)".to_string());
+        }
+    }
+    if let Some(ports) = spec.get("targetPorts") {
+        match ports.as_sequence() {
+            Some(list) if list.len() == 1 => {
+                out.extend(port_number_problems(&list[0], "spec.targetPorts[0]"))
+            }
+            _ => out.push("spec.targetPorts: exactly one port".to_string()),
+        }
+    }
+    if let Some(picker) = spec.get("endpointPickerRef") {
+        let at = "spec.endpointPickerRef";
+        out.extend(keys_problems(
+            picker,
+            at,
+            &["group", "kind", "name", "port", "failureMode"],
+            &["name"],
+        ));
+        if let Some(port) = picker.get("port") {
+            out.extend(port_number_problems(port, &format!("{at}.port")));
+        }
+        if let Some(mode) = picker.get("failureMode") {
+            if !["FailOpen", "FailClose"].contains(&mode.as_str().unwrap_or_default()) {
+                out.push(format!(
+                    "{at}.failureMode: FailOpen or FailClose, not {mode:?}"
+                ));
+            }
+        }
+        if picker
+            .get("kind")
+            .is_some_and(|k| k.as_str() != Some("Service"))
+        {
+            out.push(format!("{at}.kind: Service"));
+        }
+    }
+    out
+}
+
+/// A `gateway.networking.k8s.io/v1` HTTPRoute's fields (the subset used): `spec.parentRefs`
+/// (`name`, ...), `spec.rules[].matches` and `backendRefs` naming an InferencePool by group and
+/// kind.
+fn http_route_problems(o: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    if str_at(o, &["apiVersion"]) != Some("gateway.networking.k8s.io/v1") {
+        out.push("apiVersion: gateway.networking.k8s.io/v1".to_string());
+    }
+    let spec = &o["spec"];
+    out.extend(keys_problems(
+        spec,
+        "spec",
+        &["parentRefs", "hostnames", "rules"],
+        &["parentRefs"],
+    ));
+    for (i, parent) in spec["parentRefs"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        out.extend(keys_problems(
+            parent,
+            &format!("spec.parentRefs[{i}]"),
+            &["group", "kind", "namespace", "name", "sectionName", "port"],
+            &["name"],
+        ));
+    }
+    for (i, rule) in spec["rules"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let at = format!("spec.rules[{i}]");
+        out.extend(keys_problems(
+            rule,
+            &at,
+            &["name", "matches", "filters", "backendRefs", "timeouts"],
+            &[],
+        ));
+        for (j, b) in rule["backendRefs"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let at = format!("{at}.backendRefs[{j}]");
+            out.extend(keys_problems(
+                b,
+                &at,
+                &[
+                    "group",
+                    "kind",
+                    "name",
+                    "namespace",
+                    "port",
+                    "weight",
+                    "filters",
+                ],
+                &["name"],
+            ));
+            if str_at(b, &["group"]) != Some("inference.networking.k8s.io")
+                || str_at(b, &["kind"]) != Some("InferencePool")
+            {
+                out.push(format!(
+                    "{at}: an InferencePool (group inference.networking.k8s.io)"
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// A container's command line, split into the binary, its subcommand words and the rest.
 struct Invocation {
     binary: String,
@@ -501,7 +754,7 @@ fn listen_ports(call: &Invocation) -> BTreeSet<u16> {
             "--listen-metrics-urls",
         ]
     } else {
-        &["--listen", "--metrics-listen"]
+        &["--listen", "--metrics-listen", "--ext-proc-listen"]
     };
     listen_flags
         .iter()
@@ -1263,6 +1516,7 @@ fn listening_line(binary: &str, flag: &str) -> String {
     match flag {
         "--listen" => format!("{binary} listening on "),
         "--metrics-listen" => format!("{binary} metrics listening on "),
+        "--ext-proc-listen" => format!("{binary} ext-proc listening on "),
         other => panic!("{binary}: no line reports where {other} bound"),
     }
 }
