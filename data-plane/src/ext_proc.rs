@@ -190,6 +190,7 @@ struct Picked {
     route_headers: [(http::HeaderName, HeaderValue); 4],
     /// The response status, once its headers passed.
     status: u16,
+    decision: crate::decision::Decision,
 }
 
 /// One gRPC stream: one HTTP request through Envoy.
@@ -232,10 +233,24 @@ impl Exchange {
         if self.subset.is_none() {
             self.subset = subset_hint(&message);
         }
-        match message.request {
+        let replies = match message.request {
             Some(request) => self.step(request),
             None => Vec::new(),
+        };
+        for r in &replies {
+            match &r.response {
+                Some(Reply::ImmediateResponse(i)) => {
+                    let status = i.status.as_ref().map_or(500, |s| s.code);
+                    self.router
+                        .metrics
+                        .record_ext_proc(u16::try_from(status).unwrap_or(500));
+                }
+                // the pick rides on the reply that carries the destination
+                _ if r.dynamic_metadata.is_some() => self.router.metrics.record_ext_proc(200),
+                _ => {}
+            }
         }
+        replies
     }
 
     /// The replies to one message from Envoy (none while a full-duplex request body is read).
@@ -290,6 +305,8 @@ impl Exchange {
                         .find(|h| h.key == ":status")
                         .and_then(|h| header_text(h).parse().ok())
                         .unwrap_or(0);
+                    // the route's request counter, by the status Envoy got from the instance
+                    p.outcome.stats.record(p.decision, p.status);
                     common.header_mutation = Some(HeaderMutation {
                         set_headers: p
                             .route_headers
@@ -395,7 +412,6 @@ impl Exchange {
         let instance = &variant.instances()[route.instance];
         let in_flight = InFlight::start(instance.state(), variant.load());
         self.router.metrics.decision.observe(started.elapsed());
-        instance.stats().record(route.decision, 200);
         self.picked = Some(Picked {
             in_flight,
             _admission: admission,
@@ -414,6 +430,7 @@ impl Exchange {
                 (X_DECISION, route.decision.header()),
             ],
             status: 0,
+            decision: route.decision,
         });
         let destination = instance.authority().as_str().to_string();
         let common = CommonResponse {

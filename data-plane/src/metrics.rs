@@ -78,6 +78,9 @@ pub struct Metrics {
     pub retries: AtomicU64,
     /// Requests refused because their client's API keys failed too often.
     pub auth_throttled: AtomicU64,
+    /// The endpoint picker's answers (`--ext-proc-listen`) by status: 200 a pick, else the
+    /// ImmediateResponse's.
+    ext_proc: [AtomicU64; STATUS_SLOTS],
     pub ejections: Arc<AtomicU64>,
     /// Open client connections per worker thread (`serve` hands a new one to the lowest).
     pub worker_connections: Box<[AtomicU64]>,
@@ -94,6 +97,10 @@ impl Metrics {
 
     pub fn record_unrouted(&self, status: u16) {
         self.unrouted[status_slot(status)].fetch_add(1, Relaxed);
+    }
+
+    pub fn record_ext_proc(&self, status: u16) {
+        self.ext_proc[status_slot(status)].fetch_add(1, Relaxed);
     }
 
     /// The Prometheus text exposition (encoded by the `prometheus` crate, see
@@ -150,6 +157,19 @@ impl Metrics {
                         );
                     }
                 }
+            }
+        }
+        let mut picks = out.counter(
+            "prefix_router_ext_proc_answers_total",
+            "Endpoint-picker (ext_proc) answers to Envoy by status: 200 a pick, else the \
+             ImmediateResponse's (429 over --max-in-flight, 413, 404, 503).",
+        );
+        for (slot, count) in self.ext_proc.iter().enumerate() {
+            let n = count.load(Relaxed);
+            if n > 0 {
+                status.clear();
+                slot_label(slot, &mut status);
+                picks.sample(&[("status", &status)], n as f64);
             }
         }
         for (name, help, cached) in [

@@ -247,6 +247,21 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
         (fleet.in_flight().await == 0).then_some(())
     })
     .await;
+    // Each of the 17 requests was one pick, and is counted on its route with the status Envoy
+    // got from the engine.
+    let (_, _, text) = fleet
+        .get(&format!("{}/metrics", fleet.router))
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&text);
+    assert_eq!(counter(&text, "prefix_router_ext_proc_answers_total"), 17);
+    let routed_ok: u64 = text
+        .lines()
+        .filter(|l| l.starts_with("prefix_router_requests_total{"))
+        .filter(|l| l.contains("decision=\"prefix_") && l.contains("status=\"200\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(routed_ok, 17, "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -600,6 +615,17 @@ mod protocol {
         );
         assert_eq!(status, 413, "{message}");
         assert!(message.contains("65536"), "{message}");
+
+        // Every answer counted, by status.
+        let (_, _, text) = fleet
+            .get(&format!("{}/metrics", fleet.router))
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&text);
+        for (status, n) in [("200", 2), ("429", 1), ("413", 1)] {
+            let line = format!("prefix_router_ext_proc_answers_total{{status=\"{status}\"}} {n}");
+            assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+        }
     }
 }
 
