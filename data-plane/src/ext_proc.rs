@@ -24,6 +24,9 @@
 //! path ([`crate::usage`]). Past `--max-in-flight`, or a body larger than `--max-body-bytes`, the
 //! answer is an ImmediateResponse (429, 413) with an OpenAI-shaped error.
 //!
+//! Traced like the HTTP path: a `route` span per pick (`front_door = "ext_proc"`), parented by
+//! the request's `traceparent`, its context sent on to the instance; it ends with the response.
+//!
 //! Authentication is the gateway's: `--api-key-file` guards the HTTP listener only.
 
 use std::collections::HashMap;
@@ -139,6 +142,8 @@ struct Head {
     endpoint: Option<String>,
     target_variant: Option<String>,
     prefix_aware_id: Option<Vec<u8>>,
+    /// `traceparent` / `tracestate`, when the request carries them.
+    trace: Option<http::HeaderMap>,
 }
 
 impl Head {
@@ -152,6 +157,16 @@ impl Head {
                 k if k == X_TARGET_VARIANT.as_str() => head.target_variant = Some(value()),
                 k if k == X_PREFIX_AWARE_ID.as_str() => {
                     head.prefix_aware_id = Some(value().into_bytes())
+                }
+                "traceparent" | "tracestate" => {
+                    if let (Ok(name), Ok(v)) = (
+                        http::HeaderName::from_bytes(h.key.as_bytes()),
+                        HeaderValue::from_str(&value()),
+                    ) {
+                        head.trace
+                            .get_or_insert_with(http::HeaderMap::new)
+                            .insert(name, v);
+                    }
                 }
                 _ => {}
             }
@@ -190,6 +205,8 @@ struct Picked {
     route_headers: [(http::HeaderName, HeaderValue); 4],
     /// The response status, once its headers passed.
     status: u16,
+    /// The pick's `route` span (disabled unless traces are exported): ends with the response.
+    span: tracing::Span,
     decision: crate::decision::Decision,
 }
 
@@ -307,6 +324,11 @@ impl Exchange {
                         .unwrap_or(0);
                     // the route's request counter, by the status Envoy got from the instance
                     p.outcome.stats.record(p.decision, p.status);
+                    if !p.span.is_disabled() {
+                        if let Ok(status) = http::StatusCode::from_u16(p.status) {
+                            crate::spans::record_status(&p.span, status);
+                        }
+                    }
                     common.header_mutation = Some(HeaderMutation {
                         set_headers: p
                             .route_headers
@@ -412,6 +434,21 @@ impl Exchange {
         let instance = &variant.instances()[route.instance];
         let in_flight = InFlight::start(instance.state(), variant.load());
         self.router.metrics.decision.observe(started.elapsed());
+        // Traced: the caller's context parents the pick's `route` span, whose own context goes
+        // to the instance in `traceparent` (as the HTTP router's `upstream` span's does).
+        let span = crate::spans::route_span("ext_proc");
+        let mut set_headers = Vec::new();
+        if !span.is_disabled() {
+            if let Some(trace) = &head.trace {
+                telemetry::propagation::set_parent_from_headers(&span, trace);
+            }
+            crate::spans::record_route(&span, &table, &route, self.body.len());
+            let mut out = http::HeaderMap::new();
+            telemetry::propagation::inject_headers(&span, &mut out);
+            for (k, v) in &out {
+                set_headers.push(set_header(k.as_str(), v.as_bytes()));
+            }
+        }
         self.picked = Some(Picked {
             in_flight,
             _admission: admission,
@@ -431,11 +468,13 @@ impl Exchange {
             ],
             status: 0,
             decision: route.decision,
+            span,
         });
         let destination = instance.authority().as_str().to_string();
+        set_headers.push(set_header(DESTINATION, destination.as_bytes()));
         let common = CommonResponse {
             header_mutation: Some(HeaderMutation {
-                set_headers: vec![set_header(DESTINATION, destination.as_bytes())],
+                set_headers,
                 remove_headers: Vec::new(),
             }),
             ..Default::default()

@@ -4,10 +4,31 @@
 //! Numbers are recorded as `i64`: `tracing-opentelemetry` exports other integer types as strings.
 
 use http::StatusCode;
+use tracing::field::Empty;
 use tracing::Span;
 
 use crate::placement::Route;
 use crate::table::RoutingTable;
+
+/// A request's `route` span, through `front_door` (`http`, or `ext_proc` for the endpoint
+/// picker); [`record_route`] and [`record_status`] fill it in.
+pub(crate) fn route_span(front_door: &'static str) -> Span {
+    tracing::info_span!(
+        "route",
+        otel.kind = "server",
+        front_door,
+        endpoint = Empty,
+        variant = Empty,
+        strategy = Empty,
+        decision = Empty,
+        instance = Empty,
+        prefix_blocks = Empty,
+        table_version = Empty,
+        request_bytes = Empty,
+        status = Empty,
+        otel.status_code = Empty,
+    )
+}
 
 /// The decision's attributes on the `route` span (call only for an enabled span).
 pub(crate) fn record_route(

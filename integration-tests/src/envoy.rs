@@ -177,3 +177,196 @@ async fn listener_port(admin: &str) -> Option<u16> {
         .collect();
     digits.parse().ok().filter(|&p| p != 0)
 }
+
+/// A gRPC client speaking Envoy's side of the ext_proc protocol, one request per stream.
+pub mod client {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use envoy_types::pb::envoy::config::core::v3::{
+        HeaderMap, HeaderValue as EnvoyHeader, Metadata,
+    };
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        external_processor_client::ExternalProcessorClient, processing_request::Request as Msg,
+        processing_response::Response as Reply, HttpBody, HttpHeaders, ProcessingRequest,
+        ProcessingResponse, ProtocolConfiguration,
+    };
+    use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::ReceiverStream;
+
+    /// The picker's names (`data_plane::ext_proc` has them too; this crate's library does not
+    /// depend on the data plane).
+    pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+    pub const LB_NAMESPACE: &str = "envoy.lb";
+    pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+    pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+
+    /// One request's stream, as Envoy opens it (request body BUFFERED).
+    pub struct Exchange {
+        tx: mpsc::Sender<ProcessingRequest>,
+        rx: tonic::Streaming<ProcessingResponse>,
+    }
+
+    impl Exchange {
+        pub async fn open(picker: &str) -> Self {
+            let mut client = ExternalProcessorClient::connect(format!("http://{picker}"))
+                .await
+                .expect("the picker accepts");
+            let (tx, out) = mpsc::channel(4);
+            let rx = client
+                .process(ReceiverStream::new(out))
+                .await
+                .expect("a stream")
+                .into_inner();
+            Exchange { tx, rx }
+        }
+
+        pub async fn next(&mut self) -> ProcessingResponse {
+            tokio::time::timeout(Duration::from_secs(10), self.rx.message())
+                .await
+                .expect("a reply within 10 s")
+                .expect("no stream error")
+                .expect("the stream stays open")
+        }
+
+        /// Headers (with the subset hint, if any), then the whole body: the picker's answer to
+        /// the body (or its ImmediateResponse to either).
+        pub async fn request(
+            &mut self,
+            body: &[u8],
+            subset: Option<&[&str]>,
+        ) -> ProcessingResponse {
+            self.request_with(body, subset, &[]).await
+        }
+
+        /// [`Self::request`] with `extra` request headers.
+        pub async fn request_with(
+            &mut self,
+            body: &[u8],
+            subset: Option<&[&str]>,
+            extra: &[(&str, &str)],
+        ) -> ProcessingResponse {
+            let header = |k: &str, v: &str| EnvoyHeader {
+                key: k.into(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            };
+            let metadata_context = subset.map(|s| {
+                let list = Value {
+                    kind: Some(Kind::ListValue(ListValue {
+                        values: s
+                            .iter()
+                            .map(|a| Value {
+                                kind: Some(Kind::StringValue(a.to_string())),
+                            })
+                            .collect(),
+                    })),
+                };
+                Metadata {
+                    filter_metadata: HashMap::from([(
+                        SUBSET_NAMESPACE.to_string(),
+                        Struct {
+                            fields: HashMap::from([(SUBSET_KEY.to_string(), list)]),
+                        },
+                    )]),
+                    ..Default::default()
+                }
+            });
+            let first = ProcessingRequest {
+                protocol_config: Some(ProtocolConfiguration {
+                    request_body_mode: BodySendMode::Buffered as i32,
+                    response_body_mode: BodySendMode::Buffered as i32,
+                    ..Default::default()
+                }),
+                metadata_context,
+                request: Some(Msg::RequestHeaders(HttpHeaders {
+                    headers: Some(HeaderMap {
+                        headers: [
+                            (":method", "POST"),
+                            (":path", "/v1/chat/completions"),
+                            ("content-type", "application/json"),
+                        ]
+                        .iter()
+                        .chain(extra)
+                        .map(|(k, v)| header(k, v))
+                        .collect(),
+                    }),
+                    end_of_stream: false,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            self.tx.send(first).await.unwrap();
+            let reply = self.next().await;
+            if matches!(reply.response, Some(Reply::ImmediateResponse(_))) {
+                return reply;
+            }
+            assert!(
+                matches!(reply.response, Some(Reply::RequestHeaders(_))),
+                "{reply:?}"
+            );
+            let body = ProcessingRequest {
+                request: Some(Msg::RequestBody(HttpBody {
+                    body: body.to_vec(),
+                    end_of_stream: true,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            self.tx.send(body).await.unwrap();
+            self.next().await
+        }
+    }
+
+    /// The `x-gateway-destination-endpoint` the reply sets, and the `envoy.lb` metadata's list.
+    pub fn pick(reply: &ProcessingResponse) -> (String, String) {
+        let Some(Reply::RequestBody(body)) = &reply.response else {
+            panic!("a body response with the pick, got {reply:?}");
+        };
+        let set = &body
+            .response
+            .as_ref()
+            .unwrap()
+            .header_mutation
+            .as_ref()
+            .unwrap()
+            .set_headers;
+        let header = set
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == DESTINATION)
+            .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
+            .expect("the destination header");
+        let lb = &reply
+            .dynamic_metadata
+            .as_ref()
+            .expect("dynamic metadata")
+            .fields[LB_NAMESPACE];
+        let Some(Kind::StructValue(lb)) = &lb.kind else {
+            panic!("{lb:?}")
+        };
+        let Some(Kind::StringValue(list)) = &lb.fields[DESTINATION].kind else {
+            panic!("{lb:?}")
+        };
+        (header, list.clone())
+    }
+
+    /// The value the reply's header mutation sets for `name`, if any.
+    pub fn set_header(reply: &ProcessingResponse, name: &str) -> Option<String> {
+        let common = match &reply.response {
+            Some(Reply::RequestBody(b)) => b.response.as_ref()?,
+            Some(Reply::RequestHeaders(h)) => h.response.as_ref()?,
+            _ => return None,
+        };
+        common
+            .header_mutation
+            .as_ref()?
+            .set_headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == name)
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+    }
+}

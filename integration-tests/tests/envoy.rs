@@ -335,161 +335,16 @@ async fn a_strategy_swap_changes_envoys_routing_with_no_failed_request() {
 mod protocol {
     //! The picker's side of the protocol, driven by a gRPC client that speaks as Envoy does.
 
-    use std::collections::HashMap;
     use std::time::Duration;
 
-    use envoy_types::pb::envoy::config::core::v3::{
-        HeaderMap, HeaderValue as EnvoyHeader, Metadata,
-    };
-    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
-        external_processor_client::ExternalProcessorClient, processing_request::Request as Msg,
-        processing_response::Response as Reply, HttpBody, HttpHeaders, ProcessingRequest,
-        ProcessingResponse, ProtocolConfiguration,
+        processing_response::Response as Reply, ProcessingResponse,
     };
-    use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+    use integration_tests::envoy::client::{pick, Exchange};
     use proto::RoutingStrategy;
     use test_support::wait_for;
-    use tokio::sync::mpsc;
-    use tokio_stream::wrappers::ReceiverStream;
 
     use super::{chat, document, Fleet, ONE};
-
-    /// One request's stream, as Envoy opens it (request body BUFFERED).
-    struct Exchange {
-        tx: mpsc::Sender<ProcessingRequest>,
-        rx: tonic::Streaming<ProcessingResponse>,
-    }
-
-    impl Exchange {
-        async fn open(picker: &str) -> Self {
-            let mut client = ExternalProcessorClient::connect(format!("http://{picker}"))
-                .await
-                .expect("the picker accepts");
-            let (tx, out) = mpsc::channel(4);
-            let rx = client
-                .process(ReceiverStream::new(out))
-                .await
-                .expect("a stream")
-                .into_inner();
-            Exchange { tx, rx }
-        }
-
-        async fn next(&mut self) -> ProcessingResponse {
-            tokio::time::timeout(Duration::from_secs(10), self.rx.message())
-                .await
-                .expect("a reply within 10 s")
-                .expect("no stream error")
-                .expect("the stream stays open")
-        }
-
-        /// Headers (with the subset hint, if any), then the whole body: the picker's answer to
-        /// the body (or its ImmediateResponse to either).
-        async fn request(&mut self, body: &[u8], subset: Option<&[&str]>) -> ProcessingResponse {
-            let header = |k: &str, v: &str| EnvoyHeader {
-                key: k.into(),
-                raw_value: v.as_bytes().to_vec(),
-                ..Default::default()
-            };
-            let metadata_context = subset.map(|s| {
-                let list = Value {
-                    kind: Some(Kind::ListValue(ListValue {
-                        values: s
-                            .iter()
-                            .map(|a| Value {
-                                kind: Some(Kind::StringValue(a.to_string())),
-                            })
-                            .collect(),
-                    })),
-                };
-                Metadata {
-                    filter_metadata: HashMap::from([(
-                        data_plane::ext_proc::SUBSET_NAMESPACE.to_string(),
-                        Struct {
-                            fields: HashMap::from([(
-                                data_plane::ext_proc::SUBSET_KEY.to_string(),
-                                list,
-                            )]),
-                        },
-                    )]),
-                    ..Default::default()
-                }
-            });
-            let first = ProcessingRequest {
-                protocol_config: Some(ProtocolConfiguration {
-                    request_body_mode: BodySendMode::Buffered as i32,
-                    response_body_mode: BodySendMode::Buffered as i32,
-                    ..Default::default()
-                }),
-                metadata_context,
-                request: Some(Msg::RequestHeaders(HttpHeaders {
-                    headers: Some(HeaderMap {
-                        headers: vec![
-                            header(":method", "POST"),
-                            header(":path", "/v1/chat/completions"),
-                            header("content-type", "application/json"),
-                        ],
-                    }),
-                    end_of_stream: false,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            };
-            self.tx.send(first).await.unwrap();
-            let reply = self.next().await;
-            if matches!(reply.response, Some(Reply::ImmediateResponse(_))) {
-                return reply;
-            }
-            assert!(
-                matches!(reply.response, Some(Reply::RequestHeaders(_))),
-                "{reply:?}"
-            );
-            let body = ProcessingRequest {
-                request: Some(Msg::RequestBody(HttpBody {
-                    body: body.to_vec(),
-                    end_of_stream: true,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            };
-            self.tx.send(body).await.unwrap();
-            self.next().await
-        }
-    }
-
-    /// The `x-gateway-destination-endpoint` the reply sets, and the `envoy.lb` metadata's list.
-    fn pick(reply: &ProcessingResponse) -> (String, String) {
-        let Some(Reply::RequestBody(body)) = &reply.response else {
-            panic!("a body response with the pick, got {reply:?}");
-        };
-        let set = &body
-            .response
-            .as_ref()
-            .unwrap()
-            .header_mutation
-            .as_ref()
-            .unwrap()
-            .set_headers;
-        let header = set
-            .iter()
-            .filter_map(|h| h.header.as_ref())
-            .find(|h| h.key == data_plane::ext_proc::DESTINATION)
-            .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
-            .expect("the destination header");
-        let lb = &reply
-            .dynamic_metadata
-            .as_ref()
-            .expect("dynamic metadata")
-            .fields[data_plane::ext_proc::LB_NAMESPACE];
-        let Some(Kind::StructValue(lb)) = &lb.kind else {
-            panic!("{lb:?}")
-        };
-        let Some(Kind::StringValue(list)) = &lb.fields[data_plane::ext_proc::DESTINATION].kind
-        else {
-            panic!("{lb:?}")
-        };
-        (header, list.clone())
-    }
 
     fn immediate_status(reply: &ProcessingResponse) -> (i32, String) {
         let Some(Reply::ImmediateResponse(r)) = &reply.response else {
@@ -508,6 +363,15 @@ mod protocol {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_pick_names_a_fallback_and_keeps_to_the_subset_hint() {
         let _one = ONE.lock().await;
+        use integration_tests::envoy::client;
+        // the client's names are the picker's
+        assert_eq!(client::DESTINATION, data_plane::ext_proc::DESTINATION);
+        assert_eq!(client::LB_NAMESPACE, data_plane::ext_proc::LB_NAMESPACE);
+        assert_eq!(
+            client::SUBSET_NAMESPACE,
+            data_plane::ext_proc::SUBSET_NAMESPACE
+        );
+        assert_eq!(client::SUBSET_KEY, data_plane::ext_proc::SUBSET_KEY);
         let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
         let engines: Vec<String> = fleet
             .engines

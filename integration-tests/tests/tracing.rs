@@ -263,6 +263,56 @@ async fn one_trace_links_client_router_and_engine() {
         .await;
     assert_eq!(int_attr(&push, "version"), version);
 
+    // Through the endpoint picker (as Envoy asks it): the caller's traceparent parents the
+    // pick's `route` span (front_door ext_proc), and the pick sends its own context on to the
+    // instance; the span ends with the stream.
+    let picked_trace = "0af7651916cd43dd8448eb211c80319c";
+    let gateway_span = "b7ad6b7169203331";
+    let mut exchange = integration_tests::envoy::client::Exchange::open(&fleet.picker).await;
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": common::ENDPOINT,
+        "messages": [{ "role": "user", "content": content }],
+    }))
+    .unwrap();
+    let reply = exchange
+        .request_with(
+            &body,
+            None,
+            &[(
+                "traceparent",
+                &format!("00-{picked_trace}-{gateway_span}-01"),
+            )],
+        )
+        .await;
+    let (destination, _) = integration_tests::envoy::client::pick(&reply);
+    assert_eq!(format!("http://{destination}"), fleet.engine_url);
+    let sent_on = integration_tests::envoy::client::set_header(&reply, "traceparent")
+        .expect("the pick sets traceparent for the instance");
+    assert!(
+        sent_on.starts_with(&format!("00-{picked_trace}-")),
+        "{sent_on}"
+    );
+    drop(exchange);
+    let picked = received
+        .wait_for_spans("the pick's route span", |spans| {
+            spans
+                .iter()
+                .map(|(_, s)| s)
+                .find(|s| s.name == "route" && hex(&s.trace_id) == picked_trace)
+                .cloned()
+        })
+        .await;
+    assert_eq!(hex(&picked.parent_span_id), gateway_span);
+    assert_eq!(str_attr(&picked, "front_door"), "ext_proc");
+    assert_eq!(str_attr(&picked, "instance"), fleet.engine_url);
+    assert!(str_attr(&picked, "decision").starts_with("prefix_"));
+    assert_eq!(
+        sent_on,
+        format!("00-{picked_trace}-{}-01", hex(&picked.span_id)),
+        "the instance's parent is the pick's span"
+    );
+    assert_eq!(str_attr(route, "front_door"), "http");
+
     // A request without traceparent starts its own trace, rooted at route.
     let answer = fleet
         .chat("A different question with no trace context.", &[])
@@ -273,7 +323,11 @@ async fn one_trace_links_client_router_and_engine() {
             spans
                 .iter()
                 .map(|(_, s)| s)
-                .find(|s| s.name == "route" && hex(&s.trace_id) != trace_id)
+                .find(|s| {
+                    s.name == "route"
+                        && hex(&s.trace_id) != trace_id
+                        && hex(&s.trace_id) != picked_trace
+                })
                 .cloned()
         })
         .await;

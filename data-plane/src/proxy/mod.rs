@@ -22,7 +22,6 @@ use http::uri::PathAndQuery;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Sleep;
-use tracing::field::Empty;
 use tracing::Span;
 
 use self::forward::Exchange;
@@ -35,7 +34,7 @@ use crate::metrics::Metrics;
 use crate::placement::{Placement, Route, RouteRequest};
 use crate::prompt::BodyKind;
 use crate::response::{error_response, json_response, ResponseBody};
-use crate::spans::{record_route, record_status};
+use crate::spans::{record_route, record_status, route_span};
 use crate::table::RoutingTable;
 
 pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
@@ -233,20 +232,7 @@ impl Router {
 
     /// [`Self::route_and_forward`] inside the request's `route` span.
     async fn traced_route_and_forward(&self, call: Call) -> Response<ResponseBody> {
-        let span = tracing::info_span!(
-            "route",
-            otel.kind = "server",
-            endpoint = Empty,
-            variant = Empty,
-            strategy = Empty,
-            decision = Empty,
-            instance = Empty,
-            prefix_blocks = Empty,
-            table_version = Empty,
-            request_bytes = Empty,
-            status = Empty,
-            otel.status_code = Empty,
-        );
+        let span = route_span("http");
         if span.is_disabled() {
             return self.route_and_forward(call, &span).await;
         }

@@ -1,5 +1,5 @@
 //! An in-process fleet for the telemetry tests: a control plane, one engine-sim and one data plane
-//! on loopback ports, with the endpoint `chat` (PREFIX_AWARE over the engine) created through the
+//! (HTTP and its ext_proc endpoint picker) on loopback ports, with the endpoint `chat` (PREFIX_AWARE over the engine) created through the
 //! SDK, and a plain HTTP client.
 
 #![allow(dead_code)]
@@ -24,6 +24,8 @@ pub struct Fleet {
     pub control_plane: InProcessControlPlane,
     pub engine_url: String,
     pub router: String,
+    /// The data plane's endpoint picker (ext_proc), `ip:port`.
+    pub picker: String,
     pub http: Client<HttpConnector, Full<Bytes>>,
     _dir: tempfile::TempDir,
 }
@@ -78,19 +80,27 @@ impl Fleet {
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let router = format!("http://{}", listener.local_addr().unwrap());
+        let ext_proc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let picker = ext_proc.local_addr().unwrap().to_string();
         let config = data_plane::Config {
             control_plane: control_plane.url.clone(),
             node_id: Some(NODE_ID.into()),
             default_endpoint: Some(ENDPOINT.into()),
             ..data_plane::Config::default()
         };
-        tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
+        tokio::spawn(data_plane::serve_with_picker(
+            listener,
+            Some(ext_proc),
+            config,
+            std::future::pending(),
+        ));
 
         let http = Client::builder(TokioExecutor::new()).build_http();
         let fleet = Fleet {
             control_plane,
             engine_url,
             router,
+            picker,
             http,
             _dir: dir,
         };
