@@ -2,7 +2,8 @@
 # Real engines with small caches (BENCHMARKS.md): each run on a freshly started fleet of 4 CPU
 # llama-servers whose 4 MiB prompt caches hold 2 of the 8 documents, against the best peers in
 # the same session.
-#   benchmarks/llama-small-caches/run.sh ROLE SEED LABEL...   (ROLE user|system; LABEL PA, PA4, RANDOM, SMG, SGL)
+#   benchmarks/llama-small-caches/run.sh ROLE SEED LABEL...   (ROLE user|system; LABEL PA, PA4, RANDOM, SMG, SGL,
+#   ENVOY: Envoy with the data plane as its endpoint picker; needs `envoy` on PATH)
 # PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -34,6 +35,27 @@ for label in "$@"; do
       for _ in $(seq 1 100); do curl -fs http://127.0.0.1:30000/health >/dev/null 2>&1 && break; sleep 0.3; done
       "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:30000 --router-label "$label"
       kill "${peer[0]}" 2>/dev/null || true; wait "${peer[0]}" 2>/dev/null || true
+      ;;
+    ENVOY)
+      # Envoy 1.40 (deploy/envoy/envoy.yaml: listener 8081, picker 9002) with one data plane as its
+      # ext_proc endpoint picker, PREFIX_AWARE as the bench's own router would have it.
+      bin="$(dirname "$prefixctl")"
+      work="$(mktemp -d)"
+      "$bin/control-plane" --listen 127.0.0.1:7979 --data-dir "$work/cp" >"$work/cp.log" 2>&1 &
+      peer=($!)
+      for _ in $(seq 1 100); do grep -q "listening on" "$work/cp.log" && break; sleep 0.1; done
+      instances="$(printf '"%s",' ${engines//,/ })"
+      "$prefixctl" --control-plane http://127.0.0.1:7979 endpoint-config create --endpoint-config-name bench \
+        --production-variants "[{\"VariantName\":\"v1\",\"ModelName\":\"m\",\"Instances\":[${instances%,}],\"RoutingConfig\":{\"RoutingStrategy\":\"PREFIX_AWARE\",\"PrefixAwareRoutingConfig\":{\"PrefixLength\":1024,\"ConcurrencyThreshold\":64}}}]" >/dev/null
+      "$prefixctl" --control-plane http://127.0.0.1:7979 endpoint create --endpoint-name bench --endpoint-config-name bench >/dev/null
+      "$bin/data-plane" --listen 127.0.0.1:0 --control-plane http://127.0.0.1:7979 --default-endpoint bench \
+        --ext-proc-listen 127.0.0.1:9002 >"$work/dp.log" 2>&1 &
+      peer+=($!)
+      envoy -c "$root/deploy/envoy/envoy.yaml" --disable-hot-restart --concurrency 1 -l warning >"$work/envoy.log" 2>&1 &
+      peer+=($!)
+      for _ in $(seq 1 100); do curl -fs -o /dev/null http://127.0.0.1:8081/v1/models 2>/dev/null && break; sleep 0.3; done
+      "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:8081 --router-label ENVOY
+      kill "${peer[@]}" 2>/dev/null || true; wait "${peer[@]}" 2>/dev/null || true
       ;;
     *) echo "unknown label $label" >&2; exit 2 ;;
   esac

@@ -262,6 +262,10 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum();
     assert_eq!(routed_ok, 17, "{text}");
+    // The engines' cache reports were read as the responses passed through Envoy.
+    let cached = counter(&text, "prefix_router_cached_prompt_tokens_total");
+    let prompt = counter(&text, "prefix_router_prompt_tokens_total");
+    assert!(prompt > 0 && cached > 0, "prompt {prompt}, cached {cached}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
