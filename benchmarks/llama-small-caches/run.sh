@@ -55,6 +55,9 @@ for label in "$@"; do
       peer+=($!)
       for _ in $(seq 1 100); do curl -fs -o /dev/null http://127.0.0.1:8081/v1/models 2>/dev/null && break; sleep 0.3; done
       "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:8081 --router-label ENVOY
+      # the picker's own view (decisions, rules, the engines' reports), for comparison with PA's
+      dp_addr="$(sed -n 's/^data-plane listening on //p' "$work/dp.log" | head -1)"
+      curl -fs "http://$dp_addr/metrics" >"$out/$role-s$seed-$label.metrics.txt" 2>/dev/null || true
       kill "${peer[@]}" 2>/dev/null || true; wait "${peer[@]}" 2>/dev/null || true
       ;;
     *) echo "unknown label $label" >&2; exit 2 ;;
