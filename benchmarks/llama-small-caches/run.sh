@@ -3,7 +3,8 @@
 # llama-servers whose 4 MiB prompt caches hold 2 of the 8 documents, against the best peers in
 # the same session.
 #   benchmarks/llama-small-caches/run.sh ROLE SEED LABEL...   (ROLE user|system; LABEL PA, PA4, RANDOM, SMG, SGL,
-#   ENVOY: Envoy with the data plane as its endpoint picker; needs `envoy` on PATH)
+#   ENVOY: Envoy with the data plane as its endpoint picker; needs `envoy` on PATH; DP: that data
+#   plane over HTTP, for comparison)
 # PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -36,7 +37,7 @@ for label in "$@"; do
       "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:30000 --router-label "$label"
       kill "${peer[0]}" 2>/dev/null || true; wait "${peer[0]}" 2>/dev/null || true
       ;;
-    ENVOY)
+    ENVOY|DP)
       # Envoy 1.40 (deploy/envoy/envoy.yaml: listener 8081, picker 9002) with one data plane as its
       # ext_proc endpoint picker, PREFIX_AWARE as the bench's own router would have it.
       bin="$(dirname "$prefixctl")"
@@ -54,9 +55,12 @@ for label in "$@"; do
       envoy -c "$root/deploy/envoy/envoy.yaml" --disable-hot-restart --concurrency 1 -l warning >"$work/envoy.log" 2>&1 &
       peer+=($!)
       for _ in $(seq 1 100); do curl -fs -o /dev/null http://127.0.0.1:8081/v1/models 2>/dev/null && break; sleep 0.3; done
-      "$prefixctl" "${common[@]}" --router-url http://127.0.0.1:8081 --router-label ENVOY
-      # the picker's own view (decisions, rules, the engines' reports), for comparison with PA's
       dp_addr="$(sed -n 's/^data-plane listening on //p' "$work/dp.log" | head -1)"
+      # DP: the same data-plane binary and table, straight over HTTP (Envoy idle): what differs
+      # from ENVOY is the front door only
+      if [[ "$label" == ENVOY ]]; then url=http://127.0.0.1:8081; else url="http://$dp_addr"; fi
+      "$prefixctl" "${common[@]}" --router-url "$url" --router-label "$label"
+      # the router's own view (decisions, rules, the engines' reports)
       curl -fs "http://$dp_addr/metrics" >"$out/$role-s$seed-$label.metrics.txt" 2>/dev/null || true
       kill "${peer[@]}" 2>/dev/null || true; wait "${peer[@]}" 2>/dev/null || true
       ;;
