@@ -5,7 +5,8 @@
 #   benchmarks/llama-small-caches/run.sh ROLE SEED LABEL...   (ROLE user|system; LABEL PA, PA4, RANDOM, SMG, SGL,
 #   ENVOY: Envoy with the data plane as its endpoint picker; needs `envoy` on PATH; DP: that data
 #   plane over HTTP, for comparison)
-# PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON.
+# PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON;
+# BENCH_ARGS adds bench flags (e.g. `--text-salt 100`: every label on the same texts).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$here/../.."
@@ -19,7 +20,7 @@ for label in "$@"; do
   engines="$(CACHE_RAM_MIB=4 "$fleet" start 4 8001)"
   common=(bench --engines "$engines" --workload long-context --cache-regime small --document-role "$role"
     --token-scale 0.1 --prefix-length 1024 --concurrency 4 --warmup 20 --duration 40 --seed "$seed"
-    --out "$out/$role-s$seed-$label.json")
+    --out "$out/$role-s$seed-$label.json" ${BENCH_ARGS:-})
   peer=()
   case "$label" in
     PA) "$prefixctl" "${common[@]}" --strategies PREFIX_AWARE ;;

@@ -80,6 +80,12 @@ pub struct BenchArgs {
     /// The label of the --router-url run in the report.
     #[arg(long, default_value = "EXTERNAL")]
     pub router_label: String,
+    /// With --engines: the texts' salt for every run of this invocation (default: each strategy
+    /// its own, 1, 2, ..., and 100 for --router-url, so that none finds another's documents in
+    /// caches that keep running). Runs on fresh engines compared with the same salt meet the same
+    /// placement draw (which documents' hashes meet on one engine).
+    #[arg(long, requires = "engines", value_parser = clap::value_parser!(u64).range(1..))]
+    pub text_salt: Option<u64>,
     /// Data-plane replicas; clients are spread over them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=16))]
     pub routers: u64,
@@ -225,6 +231,16 @@ impl BenchArgs {
 
     /// The workload as run: its document role and cache regime, `salt` mixed into its texts,
     /// and its sizes scaled (the cache regime's too).
+    /// The texts' salt of the run at `position` against running engines: `--text-salt`, else the
+    /// position's own (1, 2, ...; 100 through `--router-url`).
+    fn salt(&self, position: usize) -> u64 {
+        match (self.text_salt, &self.router_url) {
+            (Some(salt), _) => salt,
+            (None, Some(_)) => 100,
+            (None, None) => position as u64 + 1,
+        }
+    }
+
     fn workload(&self, salt: u64) -> Workload {
         let mut w = Workload::new(self.workload, self.seed)
             .with_document_role(self.document_role)
@@ -282,7 +298,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
     }
     for (i, &strategy) in args.strategies.iter().enumerate() {
         let (r, s) = if args.router_url.is_some() {
-            let w = Arc::new(args.workload(100));
+            let w = Arc::new(args.workload(args.salt(0)));
             let d = Arc::new(w.documents());
             let (mut r, mut s) = run_strategy(&args, &w, &d, strategy).await?;
             r.strategy = args.router_label.clone();
@@ -292,7 +308,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
             (r, s)
         } else if external {
             // The engines keep running between strategies: fresh texts for each.
-            let w = Arc::new(args.workload(i as u64 + 1));
+            let w = Arc::new(args.workload(args.salt(i)));
             let d = Arc::new(w.documents());
             run_strategy(&args, &w, &d, strategy).await?
         } else {
@@ -308,10 +324,13 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
         engines::print_table(&shares);
         json["config"]["engines"] = serde_json::json!(args.engines);
         json["config"]["token_scale"] = serde_json::json!(args.token_scale);
-        json["config"]["text_salt"] = serde_json::json!(
-            "strategy position + 1: every strategy runs on texts of its own, so none finds \
-             another's documents in the engines' caches"
-        );
+        json["config"]["text_salt"] = match args.text_salt {
+            Some(salt) => serde_json::json!(format!("{salt} for every run (--text-salt)")),
+            None => serde_json::json!(
+                "strategy position + 1 (100 through --router-url): every strategy runs on texts \
+                 of its own, so none finds another's documents in the engines' caches"
+            ),
+        };
         for (r, s) in json["results"]
             .as_array_mut()
             .into_iter()
@@ -823,6 +842,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         engines: Vec::new(),
         router_url: None,
         router_label: String::new(),
+        text_salt: None,
         document_role: DocumentRole::User,
         cache_regime: CacheRegime::Ample,
         model: None,
@@ -1149,6 +1169,32 @@ mod tests {
         );
         assert_eq!(c.user_tokens_median, full.user_tokens_median * 0.1);
         assert_eq!(c.text_salt, 2);
+        // Against running engines: each strategy its own texts, unless --text-salt names them.
+        let own = parse(&[
+            "--engines",
+            "http://a:1",
+            "--strategies",
+            "RANDOM,PREFIX_AWARE",
+        ])
+        .unwrap();
+        assert_eq!((own.salt(0), own.salt(1)), (1, 2));
+        let peer = parse(&["--engines", "http://a:1", "--router-url", "http://r:2"]).unwrap();
+        assert_eq!(peer.salt(0), 100);
+        let fixed = parse(&[
+            "--engines",
+            "http://a:1",
+            "--router-url",
+            "http://r:2",
+            "--text-salt",
+            "7",
+        ])
+        .unwrap();
+        assert_eq!(fixed.salt(0), 7);
+        assert_eq!(fixed.workload(fixed.salt(0)).text_salt, 7);
+        assert!(
+            parse(&["--text-salt", "7"]).is_err(),
+            "--text-salt needs --engines"
+        );
         assert!(
             c.system_prompt(0).chars().count() > c.prefix_length as usize,
             "still longer than the key"
