@@ -58,7 +58,7 @@ use crate::placement::{Route, RouteRequest};
 use crate::prompt::BodyKind;
 use crate::proxy::{Router, X_DECISION, X_INSTANCE, X_TABLE_VERSION, X_VARIANT};
 use crate::proxy::{X_ENDPOINT_NAME, X_PREFIX_AWARE_ID, X_TARGET_VARIANT};
-use crate::response::{Admission, Outcome};
+use crate::response::{error_body, Admission, Outcome};
 use crate::usage::UsageScanner;
 
 /// The header Envoy's `ORIGINAL_DST` cluster reads the chosen endpoint from.
@@ -631,7 +631,6 @@ fn immediate(
     kind: &str,
     retry_after: Option<&str>,
 ) -> ProcessingResponse {
-    let body = serde_json::json!({ "error": { "message": message, "type": kind } });
     let mut headers = vec![set_header("content-type", b"application/json")];
     if let Some(r) = retry_after {
         headers.push(set_header("retry-after", r.as_bytes()));
@@ -644,7 +643,7 @@ fn immediate(
             set_headers: headers,
             remove_headers: Vec::new(),
         }),
-        body: serde_json::to_vec(&body).unwrap_or_default(),
+        body: error_body(message, kind),
         details: message.to_string(),
         ..Default::default()
     }))

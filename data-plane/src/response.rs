@@ -33,10 +33,15 @@ pub(crate) fn json_response(status: u16, body: impl Into<Bytes>) -> Response<Res
     r
 }
 
-/// `{"error":{"message":...,"type":...}}`
-pub(crate) fn error_response(status: u16, message: &str, kind: &str) -> Response<ResponseBody> {
+/// `{"error":{"message":...,"type":...}}`, OpenAI's error shape.
+pub(crate) fn error_body(message: &str, kind: &str) -> Vec<u8> {
     let body = serde_json::json!({ "error": { "message": message, "type": kind } });
-    json_response(status, serde_json::to_vec(&body).unwrap_or_default())
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// A JSON response with an [`error_body`].
+pub(crate) fn error_response(status: u16, message: &str, kind: &str) -> Response<ResponseBody> {
+    json_response(status, error_body(message, kind))
 }
 
 /// `content-type: text/event-stream`
@@ -147,9 +152,8 @@ impl UpstreamStream {
         if !self.at_event_boundary {
             event.extend_from_slice(b"\n\n"); // end the event the instance left unfinished
         }
-        let body = serde_json::json!({ "error": { "message": error.to_string(), "type": kind } });
         event.extend_from_slice(b"data: ");
-        event.extend_from_slice(&serde_json::to_vec(&body).unwrap_or_default());
+        event.extend_from_slice(&error_body(&error.to_string(), kind));
         event.extend_from_slice(b"\n\n");
         Ok(Frame::data(Bytes::from(event)))
     }

@@ -144,15 +144,17 @@ impl Fleet {
     }
 
     /// The data plane's `prefix_router_instance_in_flight`, summed over instances.
-    async fn in_flight(&self) -> u64 {
+    /// The data plane's `/metrics` page.
+    async fn metrics(&self) -> String {
         let (_, _, body) = self
             .get(&format!("{}/metrics", self.router))
             .await
             .expect("metrics");
-        counter(
-            &String::from_utf8_lossy(&body),
-            "prefix_router_instance_in_flight",
-        )
+        String::from_utf8_lossy(&body).into_owned()
+    }
+
+    async fn in_flight(&self) -> u64 {
+        counter(&self.metrics().await, "prefix_router_instance_in_flight")
     }
 }
 
@@ -249,11 +251,7 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
     .await;
     // Each of the 17 requests was one pick, and is counted on its route with the status Envoy
     // got from the engine.
-    let (_, _, text) = fleet
-        .get(&format!("{}/metrics", fleet.router))
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&text);
+    let text = fleet.metrics().await;
     assert_eq!(counter(&text, "prefix_router_ext_proc_answers_total"), 17);
     let routed_ok: u64 = text
         .lines()
@@ -485,11 +483,7 @@ mod protocol {
         assert!(message.contains("65536"), "{message}");
 
         // Every answer counted, by status.
-        let (_, _, text) = fleet
-            .get(&format!("{}/metrics", fleet.router))
-            .await
-            .unwrap();
-        let text = String::from_utf8_lossy(&text);
+        let text = fleet.metrics().await;
         for (status, n) in [("200", 2), ("429", 1), ("413", 1)] {
             let line = format!("prefix_router_ext_proc_answers_total{{status=\"{status}\"}} {n}");
             assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
