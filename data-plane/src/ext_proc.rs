@@ -517,6 +517,10 @@ impl Exchange {
             route.instance = (0..instances.len())
                 .filter(|&i| allowed(i) && !instances[i].state().is_ejected(now_ms()))
                 .min_by_key(|&i| instances[i].state().outstanding())?;
+            // As for a retry: this instance was not the placement's, so its outcome says nothing
+            // of the key's placement and is not recorded as the prefix served there.
+            route.visit = crate::feedback::Visit::First;
+            route.placed = 0;
         }
         let mut order = vec![instances[route.instance].authority().as_str().to_string()];
         if let Some((next, _, _)) =
