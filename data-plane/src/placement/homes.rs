@@ -86,6 +86,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     // that see samples of the same traffic share (their share estimates differ; the set of keys
     // that clear the bars rarely does).
     keys.sort_unstable_by_key(|&(_, k)| k);
+    keys.dedup_by_key(|&mut (_, k)| k);
     let cap = learn_capacity(v, keys.len(), t);
     let room = |held: &[u32], i: usize| cap.is_none_or(|c| held[i] < c);
     let spread = load.feedback().allows(Rule::HotReplica, now_ms());
