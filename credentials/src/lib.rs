@@ -49,7 +49,7 @@ pub struct Keyring<L> {
     entries: Vec<([u8; 16], L)>,
 }
 
-impl<L: Copy> Keyring<L> {
+impl<L: Clone> Keyring<L> {
     /// A keyring of `secrets`.
     pub fn new<'a>(secrets: impl IntoIterator<Item = (&'a [u8], L)>) -> Self {
         let seed = rand::random::<u64>();
@@ -72,7 +72,7 @@ impl<L: Copy> Keyring<L> {
             index.conditional_assign(&(i as u32), hit);
             found |= hit;
         }
-        bool::from(found).then(|| self.entries[index as usize].1)
+        bool::from(found).then(|| self.entries[index as usize].1.clone())
     }
 
     pub fn len(&self) -> usize {
@@ -148,7 +148,7 @@ impl<L> std::fmt::Debug for SecretFile<L> {
     }
 }
 
-impl<L: Copy + Send + Sync + 'static> SecretFile<L> {
+impl<L: Clone + Send + Sync + 'static> SecretFile<L> {
     /// Reads and parses `path`; fails if it cannot be read, a line does not parse, or it holds
     /// no secret.
     pub fn open(path: impl Into<PathBuf>, parse_label: LabelParser<L>) -> Result<Self, Error> {
@@ -331,7 +331,7 @@ impl<T: Send + Sync + 'static> SecretValue<T> {
     }
 }
 
-fn load<L: Copy>(path: &Path, parse_label: LabelParser<L>) -> Result<(String, Keyring<L>), Error> {
+fn load<L: Clone>(path: &Path, parse_label: LabelParser<L>) -> Result<(String, Keyring<L>), Error> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
         path: path.display().to_string(),
         source,
@@ -340,7 +340,7 @@ fn load<L: Copy>(path: &Path, parse_label: LabelParser<L>) -> Result<(String, Ke
     Ok((text, keyring))
 }
 
-fn parse<L: Copy>(
+fn parse<L: Clone>(
     path: &Path,
     text: &str,
     parse_label: LabelParser<L>,

@@ -17,7 +17,8 @@ use http::Response;
 use credentials::{SecretFile, SecretValue};
 
 use crate::config::Config;
-use crate::response::{json_response, Admission, ResponseBody};
+use crate::flow::KeyPolicy;
+use crate::response::{coded_error_response, Admission, ResponseBody};
 
 /// Paths anyone may call: probes and metrics (as vLLM leaves `/health` and `/metrics` open).
 pub(crate) fn is_open_path(path: &str) -> bool {
@@ -27,7 +28,8 @@ pub(crate) fn is_open_path(path: &str) -> bool {
 /// The access settings of a router.
 #[derive(Debug, Default)]
 pub(crate) struct Access {
-    api_keys: Option<Arc<SecretFile<()>>>,
+    /// Each key with what its line says of its holder (tenant, highest priority).
+    api_keys: Option<Arc<SecretFile<KeyPolicy>>>,
     /// Clients whose keys keep failing, refused for a while ([`credentials::Throttle`]).
     throttle: credentials::Throttle,
     forward_authorization: bool,
@@ -62,7 +64,7 @@ impl Access {
     pub(crate) fn load(config: &Config) -> anyhow::Result<Self> {
         let api_keys = match &config.api_key_file {
             Some(path) => Some(Arc::new(
-                SecretFile::open(path, credentials::no_label).context("--api-key-file")?,
+                SecretFile::open(path, KeyPolicy::parse).context("--api-key-file")?,
             )),
             None => None,
         };
@@ -83,7 +85,7 @@ impl Access {
     }
 
     /// The key file, for its reload task.
-    pub(crate) fn api_keys(&self) -> Option<&Arc<SecretFile<()>>> {
+    pub(crate) fn api_keys(&self) -> Option<&Arc<SecretFile<KeyPolicy>>> {
         self.api_keys.as_ref()
     }
 
@@ -92,11 +94,16 @@ impl Access {
         self.upstream_authorization.as_ref()
     }
 
-    /// Checks the client's key (when keys are configured); a client (`peer`) whose keys keep
-    /// failing is refused for a while before its key is looked at.
-    pub(crate) fn authenticate(&self, headers: &HeaderMap, peer: IpAddr) -> Result<(), Refusal> {
+    /// Checks the client's key (when keys are configured) and returns what its line says of its
+    /// holder (`None`: no keys configured); a client (`peer`) whose keys keep failing is refused
+    /// for a while before its key is looked at.
+    pub(crate) fn authenticate(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+    ) -> Result<Option<KeyPolicy>, Refusal> {
         let Some(keys) = &self.api_keys else {
-            return Ok(());
+            return Ok(None);
         };
         self.throttle.check(peer).map_err(Refusal::Throttled)?;
         let Some(value) = headers.get(header::AUTHORIZATION) else {
@@ -106,9 +113,9 @@ impl Access {
             ));
         };
         match credentials::bearer(value.as_bytes()).and_then(|k| keys.check(k)) {
-            Some(()) => {
+            Some(policy) => {
                 self.throttle.succeeded(peer);
-                Ok(())
+                Ok(Some(policy))
             }
             None => {
                 self.throttle.failed(peer);
@@ -187,10 +194,7 @@ pub(crate) fn refusal_response(refusal: &Refusal) -> Response<ResponseBody> {
             "overloaded",
         ),
     };
-    let body = serde_json::json!({
-        "error": { "message": message, "type": kind, "param": null, "code": code }
-    });
-    let mut r = json_response(status, serde_json::to_vec(&body).unwrap_or_default());
+    let mut r = coded_error_response(status, &message, kind, code);
     match refusal {
         Refusal::Unauthorized(_) => {
             r.headers_mut()

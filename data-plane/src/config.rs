@@ -83,8 +83,10 @@ pub struct Config {
     #[arg(long, value_name = "PEM", requires = "control_plane_tls_cert")]
     pub control_plane_tls_key: Option<PathBuf>,
 
-    /// Client API keys, one per line: requests (all but /healthz, /readyz, /metrics) must carry
-    /// `Authorization: Bearer KEY` (401 otherwise). Re-read when the file changes.
+    /// Client API keys, one per line, each optionally followed by `tenant=NAME priority=P` (flow
+    /// control: the key's tenant, and the highest priority its holder may ask for): requests (all
+    /// but /healthz, /readyz, /metrics) must carry `Authorization: Bearer KEY` (401 otherwise).
+    /// Re-read when the file changes.
     #[arg(long, value_name = "PATH")]
     pub api_key_file: Option<PathBuf>,
 
@@ -100,6 +102,27 @@ pub struct Config {
     /// Most requests in flight through this router; past it: 503 with Retry-After.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub max_in_flight: u64,
+
+    /// Flow control (see the README's "When the fleet is full"): with `on`, a request that finds
+    /// every instance of its variant at its in-flight limit waits in the router, most urgent
+    /// first and fair between tenants, instead of being sent on; `off` sends it anyway.
+    #[arg(long, value_enum, default_value = "on")]
+    pub flow_control: crate::flow::Switch,
+
+    /// Flow control: requests this router keeps in flight on one instance of a RANDOM or
+    /// LEAST_OUTSTANDING_REQUESTS variant (PREFIX_AWARE variants use their concurrency_threshold).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub instance_max_in_flight: u64,
+
+    /// Flow control: the longest a request waits for an instance, in milliseconds (then 429 with
+    /// Retry-After); a client may ask for less with `x-prefix-router-queue-timeout-ms`.
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub queue_timeout_ms: u64,
+
+    /// Flow control: the most requests waiting in this router; past it sheddable requests are
+    /// refused first, then any (503 with Retry-After).
+    #[arg(long, default_value_t = 1_024, value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+    pub max_queued: u64,
 
     /// Most header fields in a request (more: 431).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(8..=10_000))]

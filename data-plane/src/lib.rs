@@ -54,6 +54,7 @@ pub mod config;
 pub mod decision;
 pub mod ext_proc;
 pub mod feedback;
+pub mod flow;
 pub mod load;
 pub mod metrics;
 pub mod models;

@@ -499,6 +499,8 @@ pub struct VariantLoad {
     feedback: Feedback,
     served: OnceLock<ServedPrefixes>,
     homes: OnceLock<Homes>,
+    /// Requests waiting for an instance below its in-flight limit ([`crate::flow`]).
+    flow: crate::flow::Queue,
 }
 
 /// What [`VariantLoad::record`] saw of one placed request.
@@ -612,6 +614,12 @@ impl VariantLoad {
         }
     }
 
+    /// The variant's flow-control queue.
+    #[inline]
+    pub fn flow(&self) -> &crate::flow::Queue {
+        &self.flow
+    }
+
     pub fn key_rates(&self) -> &KeyRates {
         self.keys.get_or_init(KeyRates::default)
     }
@@ -654,6 +662,8 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.instance.outstanding.fetch_sub(1, Relaxed);
         self.variant.outstanding.fetch_sub(1, Relaxed);
+        // its place may go to a request waiting for one
+        self.variant.flow.release();
     }
 }
 

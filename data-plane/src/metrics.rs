@@ -23,23 +23,33 @@ const DECISION_BUCKETS_NS: [u64; 33] = [
 /// A fixed-bucket latency histogram in atomics.
 #[derive(Debug)]
 pub struct Histogram {
-    buckets: [AtomicU64; DECISION_BUCKETS_NS.len() + 1],
+    /// Upper bounds of the finite buckets, in nanoseconds.
+    bounds: &'static [u64],
+    /// One count per bound, then the overflow.
+    buckets: Box<[AtomicU64]>,
     sum_ns: AtomicU64,
 }
 
 impl Default for Histogram {
+    /// The decision-latency buckets (250 ns to 10 ms).
     fn default() -> Self {
-        Histogram {
-            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
-            sum_ns: AtomicU64::new(0),
-        }
+        Histogram::with_bounds(&DECISION_BUCKETS_NS)
     }
 }
 
 impl Histogram {
+    /// A histogram with these bucket bounds (nanoseconds, ascending).
+    pub fn with_bounds(bounds: &'static [u64]) -> Self {
+        Histogram {
+            bounds,
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+
     pub fn observe(&self, d: Duration) {
         let ns = d.as_nanos().min(u64::MAX as u128) as u64;
-        let i = DECISION_BUCKETS_NS.partition_point(|&b| b < ns);
+        let i = self.bounds.partition_point(|&b| b < ns);
         self.buckets[i].fetch_add(1, Relaxed);
         self.sum_ns.fetch_add(ns, Relaxed);
     }
@@ -51,14 +61,15 @@ impl Histogram {
     /// Adds this histogram (no labels) to `out` as `name`.
     fn describe(&self, name: &str, help: &str, out: &mut Exposition) {
         let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
-        let finite = DECISION_BUCKETS_NS
+        let finite = self
+            .bounds
             .iter()
             .zip(&counts)
             .map(|(&ns, &n)| (ns as f64 / 1e9, n));
         out.histogram(name, help).buckets(
             &[],
             finite,
-            counts[DECISION_BUCKETS_NS.len()],
+            counts[self.bounds.len()],
             self.sum_ns.load(Relaxed) as f64 / 1e9,
         );
     }
@@ -82,6 +93,8 @@ pub struct Metrics {
     /// ImmediateResponse's.
     ext_proc: [AtomicU64; STATUS_SLOTS],
     pub ejections: Arc<AtomicU64>,
+    /// Flow control: waiting requests, their waits, refusals (see [`crate::flow`]).
+    pub flow: crate::flow::FlowMetrics,
     /// Open client connections per worker thread (`serve` hands a new one to the lowest).
     pub worker_connections: Box<[AtomicU64]>,
 }
@@ -284,6 +297,28 @@ impl Metrics {
         self.decision.describe(
             "prefix_router_route_decision_seconds",
             "Routing decision latency: body parse, prefix hash and instance choice.",
+            &mut out,
+        );
+        let mut depth = out.gauge(
+            "prefix_router_queue_depth",
+            "Requests waiting in this router for an instance below its in-flight limit, by priority.",
+        );
+        for p in crate::flow::Priority::ALL {
+            let n = self.flow.depth[p as usize].load(Relaxed);
+            depth.sample(&[("priority", p.as_str())], n as f64);
+        }
+        let mut refused = out.counter(
+            "prefix_router_queue_refusals_total",
+            "Requests refused by flow control: queue_full (503), shed (503: its place went to a \
+             more urgent request), queue_timeout (429).",
+        );
+        for (i, why) in crate::flow::Refused::ALL.iter().enumerate() {
+            let n = self.flow.refusals[i].load(Relaxed);
+            refused.sample(&[("reason", why.as_str())], n as f64);
+        }
+        self.flow.wait.describe(
+            "prefix_router_queue_wait_seconds",
+            "How long requests that waited for an instance waited, served or refused.",
             &mut out,
         );
         let gauges: [(&str, bool, &str, u64); 8] = [

@@ -39,6 +39,20 @@ pub(crate) fn error_body(message: &str, kind: &str) -> Vec<u8> {
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
+/// An OpenAI error response with a machine-readable `code` (refusals: `overloaded`,
+/// `queue_timeout`, ...).
+pub(crate) fn coded_error_response(
+    status: u16,
+    message: &str,
+    kind: &str,
+    code: &str,
+) -> Response<ResponseBody> {
+    let body = serde_json::json!({
+        "error": { "message": message, "type": kind, "param": null, "code": code }
+    });
+    json_response(status, serde_json::to_vec(&body).unwrap_or_default())
+}
+
 /// A JSON response with an [`error_body`].
 pub(crate) fn error_response(status: u16, message: &str, kind: &str) -> Response<ResponseBody> {
     json_response(status, error_body(message, kind))

@@ -42,6 +42,10 @@ pub struct FleetSpec {
     /// The variant's model name (`GET /v1/models` of the routers lists it); `None`:
     /// [`SIM_MODEL`]. Requests are routed by endpoint, never by this name.
     pub model_name: Option<String>,
+    /// engine-sims' `--max-num-seqs` (`None`: engine-sim's default).
+    pub max_num_seqs: Option<u32>,
+    /// Routers' `--flow-control` (`None`: the router's default, on).
+    pub flow_control: Option<data_plane::flow::Switch>,
 }
 
 /// The model engine-sim serves by default, the variant's model name when none is given.
@@ -210,6 +214,9 @@ impl Fleet {
                 );
                 config.hash_balance_factor = f;
             }
+            if let Some(f) = spec.flow_control {
+                config.flow_control = f;
+            }
             if let Some(s) = spec.hot_key_spread {
                 anyhow::ensure!(
                     (0.0..=64.0).contains(&s),
@@ -235,7 +242,7 @@ impl Fleet {
         );
         let (l, url) = bind().await?;
         let n = self.engines.len();
-        let config = engine_sim::Config::try_parse_from([
+        let mut flags = vec![
             "engine-sim".to_string(),
             "--listen".into(),
             "127.0.0.1:0".into(),
@@ -245,7 +252,11 @@ impl Fleet {
             self.spec.time_scale.to_string(),
             "--seed".into(),
             (self.spec.seed.wrapping_add(n as u64)).to_string(),
-        ])?;
+        ];
+        if let Some(m) = self.spec.max_num_seqs {
+            flags.extend(["--max-num-seqs".to_string(), m.to_string()]);
+        }
+        let config = engine_sim::Config::try_parse_from(flags)?;
         self.engines.push(spawn_server(url, move |rx| {
             engine_sim::serve(l, config, async move {
                 let _ = rx.await;

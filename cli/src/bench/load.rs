@@ -183,9 +183,9 @@ async fn send(
 
 /// Reassembles an OpenAI chat stream: the content text, the usage, and whether `[DONE]` came.
 #[derive(Default)]
-struct SseText {
+pub(super) struct SseText {
     buf: BytesMut,
-    text: String,
+    pub(super) text: String,
     chunks: u32,
     completion_tokens: Option<u32>,
     usage: PromptUsage,
@@ -193,7 +193,7 @@ struct SseText {
 }
 
 impl SseText {
-    fn feed(&mut self, data: &[u8]) {
+    pub(super) fn feed(&mut self, data: &[u8]) {
         self.buf.extend_from_slice(data);
         while let Some(end) = find(&self.buf, b"\n\n") {
             let event = self.buf.split_to(end + 2);

@@ -18,6 +18,7 @@ pub mod failures;
 pub mod fleet;
 pub mod load;
 pub mod metrics;
+pub mod mixed;
 pub mod report;
 pub mod workload;
 
@@ -270,6 +271,9 @@ impl BenchArgs {
 /// Runs the benchmark and writes its outputs; returns the report.
 pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
     args.validate()?;
+    if args.workload == WorkloadKind::MixedPriority {
+        return mixed::run(&args).await;
+    }
     for url in &mut args.engines {
         // The router names an instance by its address as registered: keep one spelling.
         *url = url.trim_end_matches('/').to_string();
@@ -450,6 +454,8 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         model_name: (!args.engines.is_empty())
             .then(|| args.model.clone())
             .flatten(),
+        max_num_seqs: None,
+        flow_control: None,
     }
 }
 

@@ -30,6 +30,10 @@ pub enum WorkloadKind {
     SystemPromptLong,
     /// long-context while an instance joins and later one leaves.
     Autoscale,
+    /// Flow control with the fleet full: a sheddable batch tenant at 3x capacity beside a
+    /// critical chat tenant at 20%, and two standard tenants of 4:1 demand, with flow control on
+    /// and off (see `bench::mixed`; its own phases and report).
+    MixedPriority,
 }
 
 impl WorkloadKind {
@@ -55,6 +59,7 @@ impl WorkloadKind {
             WorkloadKind::SystemPromptChat => "system-prompt-chat",
             WorkloadKind::SystemPromptLong => "system-prompt-long",
             WorkloadKind::Autoscale => "autoscale",
+            WorkloadKind::MixedPriority => "mixed-priority",
         }
     }
 }
@@ -266,6 +271,8 @@ impl Workload {
                 w.kv_capacity_tokens = 96_000;
                 w.prefix_length = 4096;
             }
+            // Its requests are made by `bench::mixed`, not from these sizes.
+            WorkloadKind::MixedPriority => {}
         }
         w
     }
@@ -406,7 +413,8 @@ impl ClientState {
             | WorkloadKind::Autoscale => self.next_document(w, documents),
             WorkloadKind::Sharegpt
             | WorkloadKind::SystemPromptChat
-            | WorkloadKind::SystemPromptLong => self.next_turn(w, last_reply),
+            | WorkloadKind::SystemPromptLong
+            | WorkloadKind::MixedPriority => self.next_turn(w, last_reply),
         }
     }
 

@@ -77,7 +77,7 @@ use homes::assign_homes;
 pub use prefix_aware::WIDE_REPLICAS;
 use prefix_aware::{share, Conversation};
 use rendezvous::fmix64;
-pub use rendezvous::{rendezvous_score, rendezvous_top, RendezvousWalk};
+pub use rendezvous::{ranking, rendezvous_score, rendezvous_top, RendezvousWalk};
 use reweigh::reweigh;
 pub use reweigh::WEIGHTED_CHOICES;
 pub use tuning::{Tuning, DEFAULT_BALANCE_PERCENT, DEFAULT_SPREAD};

@@ -67,6 +67,17 @@ enum Sorted {
     },
 }
 
+/// Every instance in `key`'s rendezvous order, top choice first.
+pub fn ranking(hashes: &[u64], key: u64) -> impl Iterator<Item = usize> + '_ {
+    (!hashes.is_empty())
+        .then(|| {
+            let (top, score) = rendezvous_top(hashes, key);
+            std::iter::once(top).chain(RendezvousWalk::new(hashes, key, top, score))
+        })
+        .into_iter()
+        .flatten()
+}
+
 impl<'a> RendezvousWalk<'a> {
     pub fn new(hashes: &'a [u64], key: u64, top: usize, top_score: u64) -> Self {
         RendezvousWalk {

@@ -29,13 +29,14 @@ pub(crate) use self::request::invocation_endpoint;
 use self::request::routing_headers;
 use crate::access::{self, Access};
 use crate::config::Config;
+use crate::flow::{FlowControl, KeyPolicy, Priority, Refused, Ticket, Who, X_QUEUED_MS};
 use crate::load::{now_ms, InFlight};
 use crate::metrics::Metrics;
 use crate::placement::{Placement, Route, RouteRequest};
 use crate::prompt::BodyKind;
-use crate::response::{error_response, json_response, ResponseBody};
+use crate::response::{coded_error_response, error_response, json_response, ResponseBody};
 use crate::spans::{record_route, record_status, route_span};
-use crate::table::RoutingTable;
+use crate::table::{RoutingTable, Strategy};
 
 pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
 pub const X_TARGET_VARIANT: HeaderName = HeaderName::from_static("x-target-variant");
@@ -57,6 +58,8 @@ pub(crate) struct Router {
     pub(crate) placement: Placement,
     pub(crate) metrics: Metrics,
     pub(crate) access: Access,
+    /// Requests waiting for an instance below its in-flight limit.
+    pub(crate) flow: FlowControl,
     /// TLS towards `https://` instances.
     upstream_tls: tokio_rustls::TlsConnector,
     max_body_bytes: usize,
@@ -68,6 +71,8 @@ pub(crate) struct Router {
 /// (`/endpoints/{name}/invocations`), and the path the instance receives.
 struct Call {
     req: Request<Incoming>,
+    /// What the client's API key says of it (`None`: no keys configured).
+    key: Option<KeyPolicy>,
     kind: BodyKind,
     path_endpoint: Option<String>,
     upstream_path: PathAndQuery,
@@ -92,6 +97,7 @@ impl Router {
             .with_hot_key_spread(config.hot_key_spread),
             metrics: Metrics::with_workers(config.resolved_workers()),
             access,
+            flow: FlowControl::new(config),
             upstream_tls,
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),
@@ -109,13 +115,17 @@ impl Router {
         peer: std::net::IpAddr,
     ) -> Result<Response<ResponseBody>, Infallible> {
         let path = req.uri().path();
+        let mut key = None;
         if !access::is_open_path(path) {
-            if let Err(refusal) = self.access.authenticate(req.headers(), peer) {
-                if matches!(refusal, access::Refusal::Throttled(_)) {
-                    self.metrics.auth_throttled.fetch_add(1, Relaxed);
+            match self.access.authenticate(req.headers(), peer) {
+                Ok(policy) => key = policy,
+                Err(refusal) => {
+                    if matches!(refusal, access::Refusal::Throttled(_)) {
+                        self.metrics.auth_throttled.fetch_add(1, Relaxed);
+                    }
+                    self.metrics.record_unrouted(refusal.status());
+                    return Ok(access::refusal_response(&refusal));
                 }
-                self.metrics.record_unrouted(refusal.status());
-                return Ok(access::refusal_response(&refusal));
             }
         }
         let response = match path {
@@ -139,6 +149,7 @@ impl Router {
                     .unwrap_or_else(|| PathAndQuery::from_static("/"));
                 self.proxy(Call {
                     req,
+                    key,
                     kind,
                     path_endpoint: None,
                     upstream_path: upstream,
@@ -174,6 +185,7 @@ impl Router {
                 Some(Ok(name)) if req.method() == Method::POST => {
                     self.proxy(Call {
                         req,
+                        key,
                         kind: BodyKind::Raw,
                         path_endpoint: Some(name),
                         upstream_path: PathAndQuery::from_static("/invocations"),
@@ -290,6 +302,29 @@ impl Router {
             Err(response) => return response,
         };
 
+        // a tenant over its rate limits is refused before anything is placed
+        let mut rates = None;
+        if let Some((k, tenant)) = call
+            .key
+            .as_ref()
+            .filter(|k| k.rates.is_limited())
+            .and_then(|k| Some((k, k.tenant.as_ref()?)))
+        {
+            let tokens = crate::flow::estimated_tokens(&body);
+            match self
+                .flow
+                .rates
+                .charge(tenant, k.rates, tokens, std::time::Instant::now())
+            {
+                Ok(report) => rates = Some(report),
+                Err((why, wait, report)) => {
+                    let mut r = self.flow_refusal(&table, why, wait, wait);
+                    report.write(r.headers_mut());
+                    return r;
+                }
+            }
+        }
+
         let started = std::time::Instant::now();
         let request = RouteRequest {
             kind: call.kind,
@@ -298,7 +333,7 @@ impl Router {
             target_variant,
             prefix_aware_id: parts.headers.get(X_PREFIX_AWARE_ID).map(|v| v.as_bytes()),
         };
-        let route = match self.placement.route(&table, &request) {
+        let mut route = match self.placement.route(&table, &request) {
             Ok(route) => route,
             Err(e) => {
                 let kind = if e.status() == 404 {
@@ -309,11 +344,27 @@ impl Router {
                 return self.unrouted(Some(&table), e.status(), &e.to_string(), kind);
             }
         };
+        self.metrics.decision.observe(started.elapsed());
+        let queued = match self.flow.enabled() {
+            true => match self
+                .wait_for_instance(
+                    &table,
+                    &mut route,
+                    &parts.headers,
+                    call.key.as_ref(),
+                    &deadline,
+                )
+                .await
+            {
+                Ok(queued) => queued,
+                Err(response) => return response,
+            },
+            false => None,
+        };
         let in_flight = InFlight::start(
             route.variant.instances()[route.instance].state(),
             route.variant.load(),
         );
-        self.metrics.decision.observe(started.elapsed());
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
         }
@@ -324,7 +375,130 @@ impl Router {
             upstream_path: &call.upstream_path,
             span,
         };
-        self.forward(&exchange, route, in_flight, deadline).await
+        let mut response = self.forward(&exchange, route, in_flight, deadline).await;
+        if let Some(start) = queued {
+            response
+                .headers_mut()
+                .insert(X_QUEUED_MS, crate::flow::queued_header(start));
+        }
+        if let Some(report) = rates {
+            report.write(response.headers_mut());
+        }
+        response
+    }
+
+    /// The answer to a request flow control refuses: OpenAI-shaped, `Retry-After` in whole
+    /// seconds (at least 1), counted by reason.
+    fn flow_refusal(
+        &self,
+        table: &RoutingTable,
+        why: Refused,
+        waited: std::time::Duration,
+        retry: std::time::Duration,
+    ) -> Response<ResponseBody> {
+        self.metrics.flow.refused(why);
+        self.metrics.record_unrouted(why.status());
+        let kind = match why {
+            Refused::Full | Refused::Shed => "service_unavailable",
+            Refused::Timeout | Refused::Requests | Refused::Tokens => "rate_limit_exceeded",
+        };
+        let mut r = coded_error_response(why.status(), &why.message(waited), kind, why.as_str());
+        let secs = retry.as_millis().div_ceil(1000).max(1) as u64;
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        r.headers_mut()
+            .insert(X_TABLE_VERSION, table.version_header().clone());
+        r
+    }
+
+    /// Flow control ([`crate::flow`]): `Ok(None)` at once when the route's instance is below its
+    /// in-flight limit and no one waits, or when another instance is (the route moves there);
+    /// else the request waits its turn in the variant's queue (`Ok(Some(when it began))`) or is
+    /// refused.
+    async fn wait_for_instance(
+        &self,
+        table: &RoutingTable,
+        route: &mut Route<'_>,
+        headers: &HeaderMap,
+        key: Option<&KeyPolicy>,
+        deadline: &Pin<Box<Sleep>>,
+    ) -> Result<Option<std::time::Instant>, Response<ResponseBody>> {
+        let v = route.variant;
+        let bad = |msg: String| self.unrouted(Some(table), 400, &msg, "invalid_request_error");
+        let priority = Priority::of(headers, key).map_err(bad)?;
+        let threshold = match v.strategy() {
+            Strategy::PrefixAware(pa) => Some(pa.concurrency_threshold),
+            _ => None,
+        };
+        let limit = self.flow.limit(threshold, priority);
+        let queue = v.load().flow();
+        let free = |i: usize| v.instances()[i].state().outstanding() < limit;
+        // what move_to_free would take (a free but ejected instance is no reason to wake anyone)
+        let usable = |i: usize| free(i) && !v.instances()[i].state().is_ejected(now_ms());
+        if queue.is_empty() && free(route.instance) {
+            return Ok(None);
+        }
+        if queue.is_empty() && self.move_to_free(route, limit) {
+            return Ok(None);
+        }
+        let who = Who::of(headers, key).map_err(bad)?;
+        let timeout = self.flow.timeout(headers).map_err(bad)?;
+        let start = std::time::Instant::now();
+        let until = (tokio::time::Instant::now() + timeout).min(deadline.deadline());
+        let mut front = false;
+        let refused = loop {
+            let mut ticket =
+                match Ticket::take(&self.flow, &self.metrics.flow, v.load(), &who, front) {
+                    Ok(t) => t,
+                    Err(r) => break r,
+                };
+            // a place that freed before the ticket was in the queue went to no one
+            if (0..v.instances().len()).any(usable) {
+                queue.release();
+            }
+            if let Err(r) = ticket.wait(until).await {
+                break r;
+            }
+            drop(ticket);
+            if free(route.instance) || self.move_to_free(route, limit) {
+                self.metrics.flow.wait.observe(start.elapsed());
+                return Ok(Some(start));
+            }
+            // another request took the place first: back to the front
+            front = true;
+        };
+        self.metrics.flow.wait.observe(start.elapsed());
+        let second = std::time::Duration::from_secs(1);
+        Err(self.flow_refusal(table, refused, timeout, second))
+    }
+
+    /// Moves `route` to the first instance below `limit` (PREFIX_AWARE: in the key's ranking; else
+    /// the least loaded); false if there is none. Its outcome then says nothing of the key's
+    /// placement (as for a retry).
+    fn move_to_free(&self, route: &mut Route<'_>, limit: u64) -> bool {
+        let v = route.variant;
+        let instances = v.instances();
+        let now = now_ms();
+        let usable = |i: usize| {
+            instances[i].state().outstanding() < limit && !instances[i].state().is_ejected(now)
+        };
+        let next = match route.key {
+            Some(key) => crate::placement::ranking(v.id_hashes(), key).find(|&i| usable(i)),
+            None => (0..instances.len())
+                .filter(|&i| usable(i))
+                .min_by_key(|&i| instances[i].state().outstanding()),
+        };
+        let Some(i) = next else {
+            return false;
+        };
+        if i != route.instance {
+            route.instance = i;
+            route.decision = crate::decision::Decision::OverloadBypass;
+            route.rule = crate::feedback::Rule::OverloadBypass;
+            route.visit = crate::feedback::Visit::First;
+            route.placed = 0;
+        }
+        true
     }
 
     /// A failed exchange, for passive health: ejects the instance after repeated failures.

@@ -340,9 +340,11 @@ async fn backend_handle(
             .body(Full::new(Bytes::from(format!(r#"{{"error":"backend {code}"}}"#))).boxed())
             .unwrap(),
         Behavior::Hold => {
-            state.active.fetch_add(1, SeqCst);
+            // the release count before the request shows as active: a release the test sends
+            // once it sees the request active always lets it go
             let mut release = state.release.clone();
             let start = *release.borrow();
+            state.active.fetch_add(1, SeqCst);
             let _ = release.wait_for(|&r| r > start).await;
             state.active.fetch_sub(1, SeqCst);
             echo(&state)

@@ -1,0 +1,993 @@
+//! Flow control: when every instance a request may use is at its in-flight limit, the request
+//! waits in the router instead of piling onto an engine's own queue.
+//!
+//! - **Limit.** An instance takes a request while it has fewer in flight from this router than
+//!   its variant's limit: PREFIX_AWARE's `concurrency_threshold`, else `--instance-max-in-flight`;
+//!   a sheddable request only while it has fewer than three quarters of that (the rest is kept
+//!   for standard and critical requests: a critical one arriving in a sheddable flood finds a
+//!   place at once instead of waiting for one to free).
+//!   The placement's choice goes first; when it is full the request takes the first free instance
+//!   (PREFIX_AWARE: of the key's ranking; else the least loaded), and only when none is free does
+//!   it queue.
+//! - **Order.** Strict priority between classes (`critical`, then `standard`, then
+//!   `sheddable`); within a class, round robin between tenants, each tenant first in, first out.
+//!   Fair by requests, not by prompt tokens: a request's cost to the engine is not known before
+//!   the engine reports it (most of a long prompt may be cached), and one request per turn keeps a
+//!   tenant of short chats from waiting behind another's long documents any more than behind its
+//!   own. A newcomer queues behind those already waiting.
+//! - **Wake.** Every request that leaves an instance ([`crate::load::InFlight`]'s drop) hands its
+//!   place to the next waiter of the variant. The waiter takes its placement's instance if that
+//!   one is free, else the first free one; if another request took the place first it queues
+//!   again, at the front.
+//! - **Bounds.** Each waiter has a deadline (`--queue-timeout-ms`, or less from the client's
+//!   `x-prefix-router-queue-timeout-ms`): past it, 429 with Retry-After. At most `--max-queued`
+//!   wait in the router: past it a sheddable request is refused, and a more urgent one takes the
+//!   place of the variant's youngest sheddable waiter (which gets 503); failing that, a request
+//!   whose tenant has fewer waiting takes the place of the youngest waiter of the tenant with the
+//!   most (a flood does not shut a quieter tenant out), else it is refused with 503.
+//!   A client that goes away leaves the queue at once (its ticket is dropped with the request).
+//!
+//! Nothing here runs while no one waits: the request path reads one atomic and the chosen
+//! instance's in-flight count.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use tokio::sync::oneshot;
+
+use crate::config::Config;
+use crate::load::VariantLoad;
+use crate::metrics::Histogram;
+
+pub const X_TENANT: HeaderName = HeaderName::from_static("x-prefix-router-tenant");
+pub const X_PRIORITY: HeaderName = HeaderName::from_static("x-prefix-router-priority");
+pub const X_QUEUE_TIMEOUT_MS: HeaderName =
+    HeaderName::from_static("x-prefix-router-queue-timeout-ms");
+/// On a response that waited: how long, in milliseconds.
+pub const X_QUEUED_MS: HeaderName = HeaderName::from_static("x-prefix-router-queued-ms");
+
+/// The longest tenant name a header or key file may give.
+pub const MAX_TENANT_LEN: usize = 64;
+
+/// How urgent a request is. Ordered: a higher one is served first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    Sheddable = 0,
+    #[default]
+    Standard = 1,
+    Critical = 2,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 3] = [Priority::Critical, Priority::Standard, Priority::Sheddable];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Sheddable => "sheddable",
+            Priority::Standard => "standard",
+            Priority::Critical => "critical",
+        }
+    }
+
+    /// A request's priority: `x-prefix-router-priority` (default `standard`) capped by its
+    /// key's (`standard` for a key that names none; `None`: no keys, the header is trusted).
+    pub fn of(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<Priority, String> {
+        let asked = match headers.get(X_PRIORITY) {
+            None => Priority::Standard,
+            Some(v) => v.to_str().ok().and_then(Priority::parse).ok_or_else(|| {
+                format!(
+                    "invalid {X_PRIORITY} {:?}: expected critical, standard or sheddable",
+                    String::from_utf8_lossy(v.as_bytes())
+                )
+            })?,
+        };
+        Ok(match key {
+            Some(k) => asked.min(k.priority.unwrap_or(Priority::Standard)),
+            None => asked,
+        })
+    }
+
+    pub fn parse(s: &str) -> Option<Priority> {
+        match s {
+            "sheddable" => Some(Priority::Sheddable),
+            "standard" => Some(Priority::Standard),
+            "critical" => Some(Priority::Critical),
+            _ => None,
+        }
+    }
+}
+
+/// What an API key's line in `--api-key-file` says of its holder: `KEY [tenant=NAME]
+/// [priority=P]`. A key without a priority may ask for `standard` at most.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyPolicy {
+    pub tenant: Option<Arc<str>>,
+    pub priority: Option<Priority>,
+    /// `rpm=N tpm=N`: the tenant's rate limits (a line with them must name its tenant).
+    pub rates: Rates,
+}
+
+/// A tenant's rate limits: requests and prompt tokens per minute.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rates {
+    pub requests_per_minute: Option<u32>,
+    pub tokens_per_minute: Option<u32>,
+}
+
+impl Rates {
+    pub fn is_limited(&self) -> bool {
+        self.requests_per_minute.is_some() || self.tokens_per_minute.is_some()
+    }
+}
+
+impl KeyPolicy {
+    /// Parses the text after a key (`credentials::LabelParser`); errors name the field.
+    pub fn parse(label: Option<&str>) -> Result<KeyPolicy, String> {
+        let mut policy = KeyPolicy::default();
+        for field in label.unwrap_or("").split_whitespace() {
+            match field.split_once('=') {
+                Some(("tenant", name)) => {
+                    check_tenant(name).map_err(|e| format!("tenant={name:?}: {e}"))?;
+                    policy.tenant = Some(name.into());
+                }
+                Some(("priority", p)) => {
+                    policy.priority = Some(Priority::parse(p).ok_or_else(|| {
+                        format!("priority={p:?}: expected critical, standard or sheddable")
+                    })?);
+                }
+                Some((name @ ("rpm" | "tpm"), n)) => {
+                    let n: u32 = n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                        format!("{name}={n:?}: expected a whole number of at least 1 per minute")
+                    })?;
+                    match name {
+                        "rpm" => policy.rates.requests_per_minute = Some(n),
+                        _ => policy.rates.tokens_per_minute = Some(n),
+                    }
+                }
+                _ => {
+                    return Err(format!(
+                        "unexpected {:?} after the key: expected tenant=NAME, priority=P, rpm=N \
+                         or tpm=N",
+                        field.chars().take(24).collect::<String>()
+                    ))
+                }
+            }
+        }
+        if policy.rates.is_limited() && policy.tenant.is_none() {
+            return Err("rpm= and tpm= limit a tenant: add tenant=NAME".to_string());
+        }
+        Ok(policy)
+    }
+}
+
+fn check_tenant(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > MAX_TENANT_LEN {
+        return Err("a tenant name is 1 to 64 characters");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_.:@".contains(&b))
+    {
+        return Err("a tenant name is letters, digits and - _ . : @");
+    }
+    Ok(())
+}
+
+/// Who sent a request and how urgent it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Who {
+    pub tenant: Arc<str>,
+    pub priority: Priority,
+}
+
+impl Who {
+    /// From the key's policy (`None`: no keys configured, the headers are trusted) and the
+    /// headers: the key's tenant, else `x-prefix-router-tenant`, else `default`; the priority
+    /// header capped by the key's priority (`standard` for a key that names none). Errors name
+    /// the header and its value.
+    pub fn of(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<Who, String> {
+        let priority = Priority::of(headers, key)?;
+        let tenant = match (key.and_then(|k| k.tenant.clone()), headers.get(X_TENANT)) {
+            (Some(t), _) => t,
+            (None, Some(v)) => {
+                let name = v.to_str().map_err(|_| {
+                    format!("invalid {X_TENANT}: a tenant name is letters, digits and - _ . : @")
+                })?;
+                check_tenant(name).map_err(|e| format!("invalid {X_TENANT} {name:?}: {e}"))?;
+                name.into()
+            }
+            (None, None) => Arc::from("default"),
+        };
+        Ok(Who { tenant, priority })
+    }
+}
+
+/// The router's flow-control settings and the count of requests waiting in it.
+#[derive(Debug)]
+pub struct FlowControl {
+    enabled: bool,
+    instance_max_in_flight: u64,
+    queue_timeout: Duration,
+    max_queued: usize,
+    queued: AtomicUsize,
+    /// Tenants' `rpm=`/`tpm=` buckets.
+    pub rates: RateLimits,
+}
+
+impl FlowControl {
+    pub fn new(config: &Config) -> Self {
+        FlowControl {
+            enabled: config.flow_control == Switch::On,
+            instance_max_in_flight: config.instance_max_in_flight,
+            queue_timeout: Duration::from_millis(config.queue_timeout_ms),
+            max_queued: usize::try_from(config.max_queued).unwrap_or(usize::MAX),
+            queued: AtomicUsize::new(0),
+            rates: RateLimits::default(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The in-flight limit of an instance of a variant whose strategy gives `threshold`
+    /// (PREFIX_AWARE's `concurrency_threshold`), else `--instance-max-in-flight`, for a request
+    /// of `priority`: a sheddable one may fill three quarters of it (the last quarter, rounded
+    /// down, is kept for standard and critical requests, so that a flood of sheddable work
+    /// never makes them wait for a place).
+    pub fn limit(&self, threshold: Option<u32>, priority: Priority) -> u64 {
+        let limit = threshold.map_or(self.instance_max_in_flight, u64::from);
+        match priority {
+            Priority::Sheddable => limit - limit / 4,
+            Priority::Standard | Priority::Critical => limit,
+        }
+    }
+
+    /// How long a request may wait: `--queue-timeout-ms`, or less if the client asks.
+    pub fn timeout(&self, headers: &HeaderMap) -> Result<Duration, String> {
+        match headers.get(X_QUEUE_TIMEOUT_MS) {
+            None => Ok(self.queue_timeout),
+            Some(v) => {
+                let ms: u64 = v
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| {
+                        format!(
+                            "invalid {X_QUEUE_TIMEOUT_MS} {:?}: expected milliseconds",
+                            String::from_utf8_lossy(v.as_bytes())
+                        )
+                    })?;
+                Ok(self.queue_timeout.min(Duration::from_millis(ms)))
+            }
+        }
+    }
+
+    /// Requests waiting in this router now.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Relaxed)
+    }
+}
+
+/// `--flow-control`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+/// Why a request that waited, or would have, is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// `--max-queued` reached (503).
+    Full,
+    /// Its place was given to a more urgent request (503).
+    Shed,
+    /// Its deadline passed while it waited (429).
+    Timeout,
+    /// Its tenant is over its requests per minute (429).
+    Requests,
+    /// Its tenant is over its prompt tokens per minute (429).
+    Tokens,
+}
+
+impl Refused {
+    pub const ALL: [Refused; 5] = [
+        Refused::Full,
+        Refused::Shed,
+        Refused::Timeout,
+        Refused::Requests,
+        Refused::Tokens,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refused::Full => "queue_full",
+            Refused::Shed => "shed",
+            Refused::Timeout => "queue_timeout",
+            Refused::Requests => "requests_per_minute",
+            Refused::Tokens => "tokens_per_minute",
+        }
+    }
+
+    pub fn status(self) -> u16 {
+        match self {
+            Refused::Timeout | Refused::Requests | Refused::Tokens => 429,
+            Refused::Full | Refused::Shed => 503,
+        }
+    }
+
+    pub fn message(self, waited: Duration) -> String {
+        match self {
+            Refused::Full => {
+                "every instance is at its in-flight limit and the router's queue is full \
+                 (--max-queued); retry shortly"
+                    .to_string()
+            }
+            Refused::Shed => "every instance is at its in-flight limit and this request's \
+                 place in the full queue went to a more urgent request, or to a tenant with fewer \
+                 waiting; retry shortly"
+                .to_string(),
+            Refused::Timeout => format!(
+                "every instance stayed at its in-flight limit for the {} ms this request may \
+                 wait (--queue-timeout-ms or x-prefix-router-queue-timeout-ms); retry shortly",
+                waited.as_millis()
+            ),
+            Refused::Requests | Refused::Tokens => format!(
+                "rate limit reached on {} per minute for this API key's tenant; retry in {} ms",
+                match self {
+                    Refused::Requests => "requests",
+                    _ => "prompt tokens",
+                },
+                waited.as_millis()
+            ),
+        }
+    }
+}
+
+/// Flow-control metrics.
+#[derive(Debug)]
+pub struct FlowMetrics {
+    /// Requests waiting now, by priority (index: `Priority as usize`).
+    pub depth: [AtomicU64; 3],
+    /// Refusals by [`Refused`] (index: position in `Refused::ALL`).
+    pub refusals: [AtomicU64; 5],
+    /// How long requests that waited waited (served or not).
+    pub wait: Histogram,
+}
+
+/// Upper bounds of the queue-wait buckets, in nanoseconds (1 ms to 60 s).
+const WAIT_BUCKETS_NS: &[u64] = &[
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    500_000_000,
+    1_000_000_000,
+    2_500_000_000,
+    5_000_000_000,
+    10_000_000_000,
+    30_000_000_000,
+    60_000_000_000,
+];
+
+impl Default for FlowMetrics {
+    fn default() -> Self {
+        FlowMetrics {
+            depth: Default::default(),
+            refusals: Default::default(),
+            wait: Histogram::with_bounds(WAIT_BUCKETS_NS),
+        }
+    }
+}
+
+impl FlowMetrics {
+    pub fn refused(&self, why: Refused) {
+        let i = Refused::ALL.iter().position(|&r| r == why).unwrap_or(0);
+        self.refusals[i].fetch_add(1, Relaxed);
+    }
+}
+
+/// What a waiter is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Grant {
+    /// A place freed: try again.
+    Go,
+    /// Leave: a more urgent request took the place.
+    Shed,
+}
+
+struct Waiter {
+    id: u64,
+    wake: oneshot::Sender<Grant>,
+}
+
+struct TenantQueue {
+    tenant: Arc<str>,
+    waiters: VecDeque<Waiter>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    /// Per priority (index: `Priority as usize`), the tenants with waiters in round-robin order.
+    classes: [VecDeque<TenantQueue>; 3],
+    next_id: u64,
+}
+
+impl Waiting {
+    fn push(&mut self, who: &Who, waiter: Waiter, front: bool) {
+        let class = &mut self.classes[who.priority as usize];
+        match class.iter().position(|t| t.tenant == who.tenant) {
+            Some(i) if front => {
+                let mut t = class.remove(i).expect("a tenant at its position");
+                t.waiters.push_front(waiter);
+                class.push_front(t);
+            }
+            Some(i) => class[i].waiters.push_back(waiter),
+            None => {
+                let t = TenantQueue {
+                    tenant: who.tenant.clone(),
+                    waiters: VecDeque::from([waiter]),
+                };
+                if front {
+                    class.push_front(t)
+                } else {
+                    class.push_back(t)
+                }
+            }
+        }
+    }
+
+    /// The next waiter: the most urgent class, its next tenant in turn.
+    fn pop(&mut self) -> Option<Waiter> {
+        for p in Priority::ALL {
+            let class = &mut self.classes[p as usize];
+            while let Some(mut t) = class.pop_front() {
+                if let Some(w) = t.waiters.pop_front() {
+                    if !t.waiters.is_empty() {
+                        class.push_back(t);
+                    }
+                    return Some(w);
+                }
+            }
+        }
+        None
+    }
+
+    /// The youngest sheddable waiter.
+    fn pop_sheddable(&mut self) -> Option<Waiter> {
+        let class = &mut self.classes[Priority::Sheddable as usize];
+        let (i, _) = class
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| t.waiters.back().map(|w| (i, w.id)))
+            .max_by_key(|&(_, id)| id)?;
+        let w = class[i].waiters.pop_back();
+        if class[i].waiters.is_empty() {
+            class.remove(i);
+        }
+        w
+    }
+
+    /// When the queue is full for `who`: the youngest waiter of the tenant with the most
+    /// waiting at `who`'s priority or below, if that tenant has at least two more waiting than
+    /// `who`'s own (a flood does not keep a quieter tenant out of a full queue).
+    fn pop_from_busiest(&mut self, who: &Who) -> Option<Waiter> {
+        let own = self.classes[who.priority as usize]
+            .iter()
+            .find(|t| t.tenant == who.tenant)
+            .map_or(0, |t| t.waiters.len());
+        let (p, i, len) = (Priority::Sheddable as usize..=who.priority as usize)
+            .flat_map(|p| {
+                self.classes[p]
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, t)| (p, i, t.waiters.len()))
+            })
+            .max_by_key(|&(p, _, len)| (len, std::cmp::Reverse(p)))?;
+        let class = &mut self.classes[p];
+        if class[i].tenant == who.tenant || len < own + 2 {
+            return None;
+        }
+        let w = class[i].waiters.pop_back();
+        if class[i].waiters.is_empty() {
+            class.remove(i);
+        }
+        w
+    }
+
+    fn remove(&mut self, who: &Who, id: u64) -> bool {
+        let class = &mut self.classes[who.priority as usize];
+        let Some(i) = class.iter().position(|t| t.tenant == who.tenant) else {
+            return false;
+        };
+        let Some(j) = class[i].waiters.iter().position(|w| w.id == id) else {
+            return false;
+        };
+        class[i].waiters.remove(j);
+        if class[i].waiters.is_empty() {
+            class.remove(i);
+        }
+        true
+    }
+}
+
+/// A variant's waiting requests (kept in its [`VariantLoad`], so that it outlives table
+/// changes that keep the variant).
+#[derive(Default)]
+pub struct Queue {
+    /// Waiters in `waiting` (read without the lock on every request).
+    len: AtomicUsize,
+    waiting: Mutex<Waiting>,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("len", &self.len.load(Relaxed))
+            .finish()
+    }
+}
+
+impl Queue {
+    /// Whether anyone waits.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len.load(Relaxed) == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A request left an instance of the variant: the next waiter may take its place.
+    pub fn release(&self) {
+        if self.is_empty() {
+            return;
+        }
+        let mut waiting = self.lock();
+        while let Some(w) = waiting.pop() {
+            self.len.fetch_sub(1, Relaxed);
+            if w.wake.send(Grant::Go).is_ok() {
+                return;
+            }
+        }
+    }
+}
+
+/// A request's place in a variant's queue; leaving (drop) takes it out.
+pub struct Ticket<'a> {
+    flow: &'a FlowControl,
+    metrics: &'a FlowMetrics,
+    load: Arc<VariantLoad>,
+    who: Who,
+    id: u64,
+    wake: oneshot::Receiver<Grant>,
+    /// Still in the variant's queue (not yet granted or shed).
+    queued: bool,
+}
+
+impl<'a> Ticket<'a> {
+    /// Queues `who` on `load`'s variant (`front`: a waiter whose granted place was taken comes
+    /// back first). Refused when `--max-queued` wait already, unless a sheddable waiter of the
+    /// variant can give its place to a more urgent request.
+    pub fn take(
+        flow: &'a FlowControl,
+        metrics: &'a FlowMetrics,
+        load: &Arc<VariantLoad>,
+        who: &Who,
+        front: bool,
+    ) -> Result<Self, Refused> {
+        let queue = load.flow();
+        let mut waiting = queue.lock();
+        if flow.queued.fetch_add(1, Relaxed) >= flow.max_queued {
+            let shed = (who.priority > Priority::Sheddable)
+                .then(|| waiting.pop_sheddable())
+                .flatten()
+                .or_else(|| waiting.pop_from_busiest(who));
+            match shed {
+                Some(w) => {
+                    // its ticket counts itself out when it reads the grant
+                    queue.len.fetch_sub(1, Relaxed);
+                    let _ = w.wake.send(Grant::Shed);
+                }
+                None => {
+                    flow.queued.fetch_sub(1, Relaxed);
+                    return Err(Refused::Full);
+                }
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = waiting.next_id;
+        waiting.next_id += 1;
+        waiting.push(who, Waiter { id, wake: tx }, front);
+        queue.len.fetch_add(1, Relaxed);
+        drop(waiting);
+        metrics.depth[who.priority as usize].fetch_add(1, Relaxed);
+        Ok(Ticket {
+            flow,
+            metrics,
+            load: load.clone(),
+            who: who.clone(),
+            id,
+            wake: rx,
+            queued: true,
+        })
+    }
+
+    /// Waits until a place frees (`Ok`), the request's place goes to a more urgent one, or
+    /// `until` passes.
+    pub async fn wait(&mut self, until: tokio::time::Instant) -> Result<(), Refused> {
+        let grant = tokio::select! {
+            g = &mut self.wake => g.unwrap_or(Grant::Go),
+            () = tokio::time::sleep_until(until) => return Err(Refused::Timeout),
+        };
+        self.queued = false;
+        match grant {
+            Grant::Go => Ok(()),
+            Grant::Shed => Err(Refused::Shed),
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.flow.queued.fetch_sub(1, Relaxed);
+        self.metrics.depth[self.who.priority as usize].fetch_sub(1, Relaxed);
+        if !self.queued {
+            return;
+        }
+        let queue = self.load.flow();
+        let removed = {
+            let mut waiting = queue.lock();
+            let removed = waiting.remove(&self.who, self.id);
+            if removed {
+                queue.len.fetch_sub(1, Relaxed);
+            }
+            removed
+        };
+        // Granted as it left (a place freed for it that it will not take): pass it on.
+        if !removed && matches!(self.wake.try_recv(), Ok(Grant::Go)) {
+            queue.release();
+        }
+    }
+}
+
+/// Token buckets of the tenants whose keys carry `rpm=`/`tpm=` (tenants come from the key file,
+/// so the map stays as small as it). Each bucket holds a minute's worth and refills continuously.
+#[derive(Debug, Default)]
+pub struct RateLimits {
+    buckets: Mutex<std::collections::HashMap<Arc<str>, [Bucket; 2]>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(limit: f64, now: Instant) -> Self {
+        Bucket {
+            level: limit,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, limit: f64, now: Instant) {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + limit * dt / 60.0).min(limit);
+        self.at = now;
+    }
+
+    /// Until `need` is in the bucket (zero if it is).
+    fn wait_for(&self, need: f64, limit: f64) -> Duration {
+        Duration::from_secs_f64(((need - self.level).max(0.0) * 60.0 / limit).max(0.0))
+    }
+}
+
+/// One limit's state after a request was let in or refused, for the `x-ratelimit-*` headers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateState {
+    pub limit: u32,
+    pub remaining: u64,
+    /// Until the bucket is full again.
+    pub reset: Duration,
+}
+
+/// What the limits said of a request: the state of each limit the tenant has (requests, tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RateReport {
+    pub requests: Option<RateState>,
+    pub tokens: Option<RateState>,
+}
+
+impl RateLimits {
+    /// Takes one request and `tokens` prompt tokens from `tenant`'s buckets, or neither:
+    /// `Err((why, how long until it would pass, the state))`.
+    pub fn charge(
+        &self,
+        tenant: &Arc<str>,
+        rates: Rates,
+        tokens: u64,
+        now: Instant,
+    ) -> Result<RateReport, (Refused, Duration, RateReport)> {
+        let limits = [rates.requests_per_minute, rates.tokens_per_minute];
+        let need = [1.0, tokens as f64];
+        let mut map = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let buckets = map.entry(tenant.clone()).or_insert_with(|| {
+            let full = |l: Option<u32>| Bucket::full(f64::from(l.unwrap_or(0)), now);
+            [full(limits[0]), full(limits[1])]
+        });
+        let mut refused = None;
+        for i in 0..2 {
+            let Some(limit) = limits[i].map(f64::from) else {
+                continue;
+            };
+            buckets[i].refill(limit, now);
+            if buckets[i].level < need[i] && refused.is_none() {
+                let why = [Refused::Requests, Refused::Tokens][i];
+                // a prompt larger than a minute's tokens passes once the bucket is full
+                let wait = buckets[i].wait_for(need[i].min(limit), limit);
+                if need[i] <= limit || wait > Duration::ZERO {
+                    refused = Some((why, wait));
+                }
+            }
+        }
+        if refused.is_none() {
+            for i in 0..2 {
+                if limits[i].is_some() {
+                    buckets[i].level -= need[i];
+                }
+            }
+        }
+        let state = |i: usize| {
+            limits[i].map(|limit| RateState {
+                limit,
+                remaining: buckets[i].level.max(0.0) as u64,
+                reset: buckets[i].wait_for(f64::from(limit), f64::from(limit)),
+            })
+        };
+        let report = RateReport {
+            requests: state(0),
+            tokens: state(1),
+        };
+        match refused {
+            None => Ok(report),
+            Some((why, wait)) => Err((why, wait, report)),
+        }
+    }
+}
+
+impl RateReport {
+    /// OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers.
+    pub fn write(&self, headers: &mut HeaderMap) {
+        for (state, names) in [
+            (
+                self.requests,
+                [
+                    "x-ratelimit-limit-requests",
+                    "x-ratelimit-remaining-requests",
+                    "x-ratelimit-reset-requests",
+                ],
+            ),
+            (
+                self.tokens,
+                [
+                    "x-ratelimit-limit-tokens",
+                    "x-ratelimit-remaining-tokens",
+                    "x-ratelimit-reset-tokens",
+                ],
+            ),
+        ] {
+            let Some(s) = state else { continue };
+            headers.insert(
+                HeaderName::from_static(names[0]),
+                HeaderValue::from(s.limit),
+            );
+            headers.insert(
+                HeaderName::from_static(names[1]),
+                HeaderValue::from(s.remaining),
+            );
+            if let Ok(v) = HeaderValue::from_str(&duration_text(s.reset)) {
+                headers.insert(HeaderName::from_static(names[2]), v);
+            }
+        }
+    }
+}
+
+/// `20ms`, `1.5s`, `6m0s`: OpenAI's reset format.
+fn duration_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1_000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else {
+        format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1_000)
+    }
+}
+
+/// Prompt tokens of a request before any engine has seen it: about 4 bytes a token.
+pub fn estimated_tokens(body: &[u8]) -> u64 {
+    (body.len() as u64).div_ceil(4)
+}
+
+/// How long since `start`, for the `x-prefix-router-queued-ms` header.
+pub fn queued_header(start: Instant) -> HeaderValue {
+    HeaderValue::from(start.elapsed().as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who(tenant: &str, p: Priority) -> Who {
+        Who {
+            tenant: tenant.into(),
+            priority: p,
+        }
+    }
+
+    #[test]
+    fn the_most_urgent_class_goes_first_and_tenants_take_turns() {
+        let mut w = Waiting::default();
+        let mut rx = Vec::new();
+        let mut push = |w: &mut Waiting, who: &Who, id: u64| {
+            let (tx, r) = oneshot::channel();
+            w.push(who, Waiter { id, wake: tx }, false);
+            rx.push(r);
+        };
+        let (a, b) = (who("a", Priority::Standard), who("b", Priority::Standard));
+        for id in 0..4 {
+            push(&mut w, &a, id); // a floods first
+        }
+        push(&mut w, &b, 10);
+        push(&mut w, &b, 11);
+        push(&mut w, &who("batch", Priority::Sheddable), 20);
+        push(&mut w, &who("chat", Priority::Critical), 30);
+        let order: Vec<u64> = std::iter::from_fn(|| w.pop().map(|x| x.id)).collect();
+        assert_eq!(order, [30, 0, 10, 1, 11, 2, 3, 20]);
+    }
+
+    #[test]
+    fn a_shed_takes_the_youngest_sheddable_and_removal_finds_its_waiter() {
+        let mut w = Waiting::default();
+        let s1 = who("s1", Priority::Sheddable);
+        let s2 = who("s2", Priority::Sheddable);
+        for (who, id) in [(&s1, 1), (&s2, 2), (&s1, 3)] {
+            let (tx, _) = oneshot::channel();
+            w.push(who, Waiter { id, wake: tx }, false);
+        }
+        assert_eq!(w.pop_sheddable().map(|x| x.id), Some(3));
+        assert!(w.remove(&s2, 2));
+        assert!(!w.remove(&s2, 2));
+        assert_eq!(w.pop().map(|x| x.id), Some(1));
+        assert!(w.pop().is_none());
+    }
+
+    #[test]
+    fn a_full_queue_gives_a_quiet_tenant_the_place_of_the_floods_youngest() {
+        let mut w = Waiting::default();
+        let flood = who("flood", Priority::Standard);
+        for id in 0..3 {
+            let (tx, _) = oneshot::channel();
+            w.push(&flood, Waiter { id, wake: tx }, false);
+        }
+        let quiet = who("quiet", Priority::Standard);
+        assert_eq!(w.pop_from_busiest(&quiet).map(|x| x.id), Some(2));
+        // the flood's own requests do not displace each other
+        assert!(w.pop_from_busiest(&flood).is_none());
+        let (tx, _) = oneshot::channel();
+        w.push(&quiet, Waiter { id: 5, wake: tx }, false);
+        assert!(
+            w.pop_from_busiest(&quiet).is_none(),
+            "2 against 1: close enough"
+        );
+        // a more urgent class is never displaced by a less urgent one
+        for id in 10..14 {
+            let (tx, _) = oneshot::channel();
+            w.push(
+                &who("vip", Priority::Critical),
+                Waiter { id, wake: tx },
+                false,
+            );
+        }
+        assert!(w
+            .pop_from_busiest(&who("other", Priority::Sheddable))
+            .is_none());
+        assert_eq!(
+            w.pop_from_busiest(&who("boss", Priority::Critical))
+                .map(|x| x.id),
+            Some(13)
+        );
+    }
+
+    #[test]
+    fn key_lines_name_tenant_and_priority_and_bad_fields_are_named() {
+        assert_eq!(KeyPolicy::parse(None).unwrap(), KeyPolicy::default());
+        let p = KeyPolicy::parse(Some("tenant=chat priority=critical")).unwrap();
+        assert_eq!(p.tenant.as_deref(), Some("chat"));
+        assert_eq!(p.priority, Some(Priority::Critical));
+        let e = KeyPolicy::parse(Some("priority=urgent")).unwrap_err();
+        assert!(e.contains("priority=\"urgent\""), "{e}");
+        let e = KeyPolicy::parse(Some("tenant=a/b")).unwrap_err();
+        assert!(e.contains("tenant=\"a/b\""), "{e}");
+        let e = KeyPolicy::parse(Some("burst")).unwrap_err();
+        assert!(e.contains("\"burst\""), "{e}");
+    }
+
+    #[test]
+    fn a_tenants_buckets_hold_a_minute_and_refill_continuously() {
+        let limits = RateLimits::default();
+        let t: Arc<str> = "t".into();
+        let rates = KeyPolicy::parse(Some("tenant=t rpm=2 tpm=1000"))
+            .unwrap()
+            .rates;
+        let t0 = Instant::now();
+        let ok = limits.charge(&t, rates, 400, t0).unwrap();
+        assert_eq!(ok.requests.unwrap().remaining, 1);
+        assert_eq!(ok.tokens.unwrap().remaining, 600);
+        // over the tokens: refused, and nothing taken
+        let (why, wait, _) = limits.charge(&t, rates, 700, t0).unwrap_err();
+        assert_eq!(why, Refused::Tokens);
+        assert_eq!(wait, Duration::from_secs(6), "100 tokens at 1,000 a minute");
+        limits.charge(&t, rates, 100, t0).unwrap();
+        let (why, wait, report) = limits.charge(&t, rates, 1, t0).unwrap_err();
+        assert_eq!((why, wait), (Refused::Requests, Duration::from_secs(30)));
+        assert_eq!(report.requests.unwrap().remaining, 0);
+        // half a minute later one request is back
+        limits
+            .charge(&t, rates, 1, t0 + Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(duration_text(Duration::from_millis(20)), "20ms");
+        assert_eq!(duration_text(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(duration_text(Duration::from_secs(360)), "6m0s");
+        let e = KeyPolicy::parse(Some("rpm=5")).unwrap_err();
+        assert!(e.contains("tenant=NAME"), "{e}");
+        let e = KeyPolicy::parse(Some("tenant=t rpm=0")).unwrap_err();
+        assert!(e.contains("rpm=\"0\""), "{e}");
+    }
+
+    #[test]
+    fn a_key_caps_the_priority_its_holder_asks_for() {
+        let mut h = HeaderMap::new();
+        h.insert(X_PRIORITY, HeaderValue::from_static("critical"));
+        h.insert(X_TENANT, HeaderValue::from_static("spoofed"));
+        // no keys: the headers are trusted
+        assert_eq!(
+            Who::of(&h, None).unwrap(),
+            who("spoofed", Priority::Critical)
+        );
+        // a key without a priority may ask for standard at most; its tenant wins
+        let key = KeyPolicy::parse(Some("tenant=batch")).unwrap();
+        assert_eq!(
+            Who::of(&h, Some(&key)).unwrap(),
+            who("batch", Priority::Standard)
+        );
+        let key = KeyPolicy::parse(Some("priority=critical")).unwrap();
+        assert_eq!(
+            Who::of(&h, Some(&key)).unwrap(),
+            who("spoofed", Priority::Critical)
+        );
+        h.insert(X_PRIORITY, HeaderValue::from_static("sheddable"));
+        assert_eq!(
+            Who::of(&h, Some(&key)).unwrap().priority,
+            Priority::Sheddable
+        );
+        h.insert(X_PRIORITY, HeaderValue::from_static("high"));
+        let e = Who::of(&h, None).unwrap_err();
+        assert!(e.contains("x-prefix-router-priority \"high\""), "{e}");
+        assert_eq!(
+            Who::of(&HeaderMap::new(), None).unwrap(),
+            who("default", Priority::Standard)
+        );
+    }
+}

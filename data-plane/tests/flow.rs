@@ -1,0 +1,477 @@
+//! Flow control through the router: when every instance is at its in-flight limit, requests
+//! wait in the router, most urgent first and tenants in turn, with deadlines, a bound, and
+//! nothing left behind by clients that go away.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use data_plane::flow::Switch;
+use data_plane::Config;
+use proto::RoutingStrategy;
+use support::*;
+use test_support::wait_for;
+
+/// A router over one held backend that takes one request at a time.
+async fn one_at_a_time(
+    extra: impl FnOnce(&mut Config),
+) -> (MockControlPlane, Backend, RouterHandle) {
+    let cp = MockControlPlane::start().await;
+    let b = Backend::start_with("held", Behavior::Hold).await;
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &[b.url.as_str()],
+    ));
+    let mut config = Config {
+        control_plane: cp.url.clone(),
+        instance_max_in_flight: 1,
+        ..Config::default()
+    };
+    extra(&mut config);
+    let router = RouterHandle::start(config).await;
+    router.wait_version(1).await;
+    (cp, b, router)
+}
+
+fn body(name: &str) -> String {
+    serde_json::json!({"model": "e", "prompt": name}).to_string()
+}
+
+/// The sum of a metric family's samples whose line contains `filter`.
+async fn metric(router: &RouterHandle, name: &str, filter: &str) -> f64 {
+    router
+        .metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(filter))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn wait_queued(router: &RouterHandle, n: f64) {
+    wait_for(
+        &format!("{n} requests wait in the router"),
+        WAIT,
+        || async { metric(router, "prefix_router_queue_depth{", "").await == n },
+    )
+    .await;
+}
+
+/// Which request the held backend has now (its prompt), once it holds one.
+async fn at_backend(b: &Backend) -> String {
+    wait_for("the backend holds a request", WAIT, || async {
+        b.active() == 1
+    })
+    .await;
+    let last = b.last_request.lock().unwrap().clone().expect("a request");
+    serde_json::from_slice::<serde_json::Value>(&last.2).unwrap()["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Releases the held request and returns the prompt of the next one the backend gets.
+async fn next_served(b: &Backend, served_so_far: u64) -> String {
+    b.release();
+    wait_for("the next request reaches the backend", WAIT, || async {
+        b.hits() > served_so_far && b.active() == 1
+    })
+    .await;
+    at_backend(b).await
+}
+
+#[tokio::test]
+async fn a_full_fleet_serves_the_most_urgent_first_and_tenants_in_turn() {
+    let (_cp, b, router) = one_at_a_time(|_| {}).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    assert_eq!(at_backend(&b).await, "first");
+    let mut waiting = Vec::new();
+    let queue = |prompt: &str, tenant: &str, priority: &str| {
+        spawn_post(
+            &url,
+            &[
+                ("x-prefix-router-tenant", tenant),
+                ("x-prefix-router-priority", priority),
+            ],
+            body(prompt),
+        )
+    };
+    // a batch tenant floods first, then chat arrives
+    for (i, (prompt, tenant, priority)) in [
+        ("batch-1", "batch", "sheddable"),
+        ("big-1", "big", "standard"),
+        ("big-2", "big", "standard"),
+        ("big-3", "big", "standard"),
+        ("small-1", "small", "standard"),
+        ("chat-1", "chat", "critical"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        waiting.push(queue(prompt, tenant, priority));
+        // in this order (each is in the queue before the next is sent)
+        wait_queued(&router, (i + 1) as f64).await;
+    }
+    assert_eq!(b.hits(), 1, "nothing went on while the instance was full");
+    assert_eq!(
+        metric(&router, "prefix_router_queue_depth{", "critical").await,
+        1.0
+    );
+    let mut order = Vec::new();
+    for served in 1..=6 {
+        order.push(next_served(&b, served).await);
+    }
+    assert_eq!(
+        order,
+        ["chat-1", "big-1", "small-1", "big-2", "big-3", "batch-1"],
+        "critical first, then standard with its tenants in turn, sheddable last"
+    );
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    for w in waiting {
+        let r = w.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(
+            r.header("x-prefix-router-queued-ms").parse::<u64>().is_ok(),
+            "a request that waited says how long"
+        );
+    }
+    wait_queued(&router, 0.0).await;
+    assert_eq!(
+        metric(&router, "prefix_router_queue_wait_seconds_count", "").await,
+        6.0
+    );
+}
+
+#[tokio::test]
+async fn a_request_past_its_deadline_gets_429_and_a_client_that_leaves_frees_its_place() {
+    let (_cp, b, router) = one_at_a_time(|c| c.queue_timeout_ms = 60_000).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    at_backend(&b).await;
+
+    // the client's own deadline, shorter than --queue-timeout-ms
+    let start = Instant::now();
+    let late = post(
+        &url,
+        &[("x-prefix-router-queue-timeout-ms", "300")],
+        body("late"),
+    )
+    .await;
+    let waited = start.elapsed();
+    late.assert_error(429, "rate_limit_exceeded");
+    assert_eq!(late.json()["error"]["code"], "queue_timeout");
+    assert_eq!(late.header("retry-after"), "1");
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert_eq!(
+        metric(
+            &router,
+            "prefix_router_queue_refusals_total",
+            "queue_timeout"
+        )
+        .await,
+        1.0
+    );
+    let bad = post(
+        &url,
+        &[("x-prefix-router-queue-timeout-ms", "soon")],
+        body("x"),
+    )
+    .await;
+    bad.assert_error(400, "invalid_request_error");
+    assert!(
+        bad.text().contains("x-prefix-router-queue-timeout-ms"),
+        "{}",
+        bad.text()
+    );
+
+    // a client that goes away leaves the queue at once; the next one gets the place
+    let gone = spawn_post(&url, &[], body("gone"));
+    wait_queued(&router, 1.0).await;
+    gone.abort();
+    wait_queued(&router, 0.0).await;
+    let next = spawn_post(&url, &[], body("next"));
+    wait_queued(&router, 1.0).await;
+    assert_eq!(next_served(&b, 1).await, "next");
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(next.await.unwrap().status, 200);
+    assert_eq!(
+        b.hits(),
+        2,
+        "the request that left never reached the instance"
+    );
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_sheddable_requests_first() {
+    let (_cp, b, router) = one_at_a_time(|c| c.max_queued = 1).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    at_backend(&b).await;
+    let shed = [("x-prefix-router-priority", "sheddable")];
+    let batch = spawn_post(&url, &shed, body("batch"));
+    wait_queued(&router, 1.0).await;
+    // a standard request takes the sheddable one's place
+    let chat = spawn_post(&url, &[], body("chat"));
+    let batch = batch.await.unwrap();
+    batch.assert_error(503, "service_unavailable");
+    assert_eq!(batch.json()["error"]["code"], "shed");
+    assert_eq!(batch.header("retry-after"), "1");
+    wait_queued(&router, 1.0).await;
+    // full of standard requests: a sheddable one is refused, and so is another standard one
+    let refused = post(&url, &shed, body("more batch")).await;
+    assert_eq!(refused.json()["error"]["code"], "queue_full");
+    let refused = post(&url, &[], body("more chat")).await;
+    refused.assert_error(503, "service_unavailable");
+    assert_eq!(refused.json()["error"]["code"], "queue_full");
+    assert_eq!(next_served(&b, 1).await, "chat");
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(chat.await.unwrap().status, 200);
+    assert_eq!(
+        metric(&router, "prefix_router_queue_refusals_total", "queue_full").await,
+        2.0
+    );
+    assert_eq!(
+        metric(&router, "prefix_router_queue_refusals_total", "shed").await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn api_keys_name_the_tenant_and_cap_the_priority() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(
+        &keys,
+        "sk-batch tenant=batch priority=sheddable\nsk-chat tenant=chat priority=critical\nsk-plain\n",
+    )
+    .unwrap();
+    let keys_path = keys.clone();
+    let (_cp, b, router) = one_at_a_time(move |c| c.api_key_file = Some(keys_path)).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[("authorization", "Bearer sk-plain")], body("first"));
+    at_backend(&b).await;
+    // batch asks for critical and arrives first; its key holds it to sheddable
+    let batch = spawn_post(
+        &url,
+        &[
+            ("authorization", "Bearer sk-batch"),
+            ("x-prefix-router-priority", "critical"),
+        ],
+        body("batch"),
+    );
+    wait_queued(&router, 1.0).await;
+    // a key without a priority may not ask for critical either: standard
+    let plain = spawn_post(
+        &url,
+        &[
+            ("authorization", "Bearer sk-plain"),
+            ("x-prefix-router-priority", "critical"),
+        ],
+        body("plain"),
+    );
+    wait_queued(&router, 2.0).await;
+    let chat = spawn_post(
+        &url,
+        &[
+            ("authorization", "Bearer sk-chat"),
+            ("x-prefix-router-priority", "critical"),
+        ],
+        body("chat"),
+    );
+    wait_queued(&router, 3.0).await;
+    assert_eq!(
+        metric(&router, "prefix_router_queue_depth{", "sheddable").await,
+        1.0
+    );
+    let order = [
+        next_served(&b, 1).await,
+        next_served(&b, 2).await,
+        next_served(&b, 3).await,
+    ];
+    assert_eq!(order, ["chat", "plain", "batch"]);
+    b.release();
+    for r in [first, batch, plain, chat] {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+    // a bad line names the field
+    std::fs::write(&keys, "sk-x priority=urgent\n").unwrap();
+    let e = data_plane::serve(
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        Config {
+            api_key_file: Some(keys),
+            ..Config::default()
+        },
+        async {},
+    )
+    .await
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("priority=\"urgent\""), "{e:#}");
+}
+
+#[tokio::test]
+async fn prefix_aware_requests_wait_only_once_every_instance_is_at_its_threshold() {
+    let cp = MockControlPlane::start().await;
+    let b = vec![
+        Backend::start_with("h0", Behavior::Hold).await,
+        Backend::start_with("h1", Behavior::Hold).await,
+    ];
+    cp.push(simple_table(1, prefix_aware(256, 1), &urls(&b)));
+    let router = RouterHandle::watching(&cp, "r").await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/chat/completions");
+    let doc = chat(&[("user", "the same long document")]);
+    let held: Vec<_> = (0..2).map(|_| spawn_post(&url, &[], doc.clone())).collect();
+    wait_for("both instances hold one request", WAIT, || async {
+        b[0].active() == 1 && b[1].active() == 1
+    })
+    .await;
+    let third = spawn_post(&url, &[], doc.clone());
+    wait_queued(&router, 1.0).await;
+    assert_eq!(b[0].hits() + b[1].hits(), 2);
+    for x in &b {
+        x.set(Behavior::Echo);
+        x.release();
+    }
+    let third = third.await.unwrap();
+    assert_eq!(third.status, 200);
+    assert!(!third.header("x-prefix-router-queued-ms").is_empty());
+    for h in held {
+        let r = h.await.unwrap();
+        assert_eq!(r.status, 200);
+        assert!(
+            r.header("x-prefix-router-queued-ms").is_empty(),
+            "did not wait"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_strategy_swap_while_requests_wait_loses_none_and_flow_control_can_be_off() {
+    let (cp, b, router) = one_at_a_time(|_| {}).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    at_backend(&b).await;
+    let waiting: Vec<_> = (0..3)
+        .map(|i| spawn_post(&url, &[], body(&format!("w{i}"))))
+        .collect();
+    wait_queued(&router, 3.0).await;
+    cp.push(simple_table(
+        2,
+        strategy(RoutingStrategy::LeastOutstandingRequests),
+        &[b.url.as_str()],
+    ));
+    router.wait_version(2).await;
+    b.set(Behavior::Echo);
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    for w in waiting {
+        assert_eq!(w.await.unwrap().status, 200);
+    }
+    wait_queued(&router, 0.0).await;
+    router.shutdown().await;
+
+    // off: everything goes on to the instance, as before flow control
+    let (_cp, b, router) = one_at_a_time(|c| c.flow_control = Switch::Off).await;
+    let url = router.url("/v1/completions");
+    let both: Vec<_> = (0..2)
+        .map(|i| spawn_post(&url, &[], body(&format!("r{i}"))))
+        .collect();
+    wait_for("the instance holds both", WAIT, || async {
+        b.active() == 2
+    })
+    .await;
+    b.release();
+    for r in both {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+}
+
+#[tokio::test]
+async fn a_tenant_over_its_rate_gets_429_with_openai_rate_limit_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "sk-r tenant=r rpm=2 tpm=100000\nsk-free\n").unwrap();
+    let cp = MockControlPlane::start().await;
+    let b = Backend::start("b").await;
+    cp.push(simple_table(
+        1,
+        strategy(RoutingStrategy::Random),
+        &[b.url.as_str()],
+    ));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        api_key_file: Some(keys),
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/completions");
+    let key = [("authorization", "Bearer sk-r")];
+    for remaining in ["1", "0"] {
+        let r = post(&url, &key, body("q")).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-ratelimit-limit-requests"), "2");
+        assert_eq!(r.header("x-ratelimit-remaining-requests"), remaining);
+        assert_eq!(r.header("x-ratelimit-limit-tokens"), "100000");
+        assert!(!r.header("x-ratelimit-reset-requests").is_empty());
+    }
+    let refused = post(&url, &key, body("q")).await;
+    refused.assert_error(429, "rate_limit_exceeded");
+    assert_eq!(refused.json()["error"]["code"], "requests_per_minute");
+    let retry: u64 = refused.header("retry-after").parse().unwrap();
+    assert!((1..=30).contains(&retry), "{retry}");
+    assert_eq!(refused.header("x-ratelimit-remaining-requests"), "0");
+    assert_eq!(b.hits(), 2, "the refused request reached no instance");
+    // another tenant is not slowed, and carries no rate headers
+    let free = post(&url, &[("authorization", "Bearer sk-free")], body("q")).await;
+    assert_eq!(free.status, 200);
+    assert!(free.header("x-ratelimit-limit-requests").is_empty());
+    assert_eq!(
+        metric(
+            &router,
+            "prefix_router_queue_refusals_total",
+            "requests_per_minute"
+        )
+        .await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn sheddable_requests_leave_a_quarter_of_each_instance_to_the_others() {
+    let (_cp, b, router) = one_at_a_time(|c| c.instance_max_in_flight = 4).await;
+    let url = router.url("/v1/completions");
+    let shed = [("x-prefix-router-priority", "sheddable")];
+    let batch: Vec<_> = (0..4)
+        .map(|i| spawn_post(&url, &shed, body(&format!("batch-{i}"))))
+        .collect();
+    // three of the four places; the fourth batch request waits
+    wait_queued(&router, 1.0).await;
+    wait_for("the instance holds three", WAIT, || async {
+        b.active() == 3
+    })
+    .await;
+    // a critical request goes straight to the place kept free
+    let chat = spawn_post(
+        &url,
+        &[("x-prefix-router-priority", "critical")],
+        body("chat"),
+    );
+    wait_for("the instance holds four", WAIT, || async {
+        b.active() == 4
+    })
+    .await;
+    assert_eq!(metric(&router, "prefix_router_queue_depth{", "").await, 1.0);
+    b.set(Behavior::Echo);
+    b.release();
+    // (it reached the instance before anything ended: it passed the sheddable waiter at once)
+    assert_eq!(chat.await.unwrap().status, 200);
+    for r in batch {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+}
