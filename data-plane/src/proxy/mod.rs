@@ -367,6 +367,9 @@ impl Router {
         );
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
+            if let Some(start) = queued {
+                span.record("queue_ms", start.elapsed().as_millis() as i64);
+            }
         }
         let exchange = Exchange {
             table: &table,
