@@ -26,6 +26,8 @@
 //!   whose tenant has fewer waiting takes the place of the youngest waiter of the tenant with the
 //!   most (a flood does not shut a quieter tenant out), else it is refused with 503.
 //!   A client that goes away leaves the queue at once (its ticket is dropped with the request).
+//!   When the router starts shutting down, every waiter is answered 503 (`shutting_down`) at
+//!   once and nothing starts waiting; requests already forwarded finish within the grace.
 //!
 //! Nothing here runs while no one waits: the request path reads one atomic and the chosen
 //! instance's in-flight count.
@@ -215,6 +217,9 @@ pub struct FlowControl {
     queued: AtomicUsize,
     /// Tenants' `rpm=`/`tpm=` buckets.
     pub rates: RateLimits,
+    /// Set when the router starts shutting down: waiters are answered 503, none start waiting.
+    draining: std::sync::atomic::AtomicBool,
+    drained: tokio::sync::Notify,
 }
 
 impl FlowControl {
@@ -226,6 +231,8 @@ impl FlowControl {
             max_queued: usize::try_from(config.max_queued).unwrap_or(usize::MAX),
             queued: AtomicUsize::new(0),
             rates: RateLimits::default(),
+            draining: Default::default(),
+            drained: tokio::sync::Notify::new(),
         }
     }
 
@@ -270,6 +277,17 @@ impl FlowControl {
     pub fn queued(&self) -> usize {
         self.queued.load(Relaxed)
     }
+
+    /// The router is shutting down: every waiter is answered (503 `shutting_down`) at once, and
+    /// no request starts waiting (those already forwarded finish).
+    pub fn drain(&self) {
+        self.draining.store(true, Relaxed);
+        self.drained.notify_waiters();
+    }
+
+    fn is_draining(&self) -> bool {
+        self.draining.load(Relaxed)
+    }
 }
 
 /// `--flow-control`.
@@ -292,15 +310,18 @@ pub enum Refused {
     Requests,
     /// Its tenant is over its prompt tokens per minute (429).
     Tokens,
+    /// The router is shutting down: it takes no more waiting work (503).
+    Draining,
 }
 
 impl Refused {
-    pub const ALL: [Refused; 5] = [
+    pub const ALL: [Refused; 6] = [
         Refused::Full,
         Refused::Shed,
         Refused::Timeout,
         Refused::Requests,
         Refused::Tokens,
+        Refused::Draining,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -310,13 +331,14 @@ impl Refused {
             Refused::Timeout => "queue_timeout",
             Refused::Requests => "requests_per_minute",
             Refused::Tokens => "tokens_per_minute",
+            Refused::Draining => "shutting_down",
         }
     }
 
     pub fn status(self) -> u16 {
         match self {
             Refused::Timeout | Refused::Requests | Refused::Tokens => 429,
-            Refused::Full | Refused::Shed => 503,
+            Refused::Full | Refused::Shed | Refused::Draining => 503,
         }
     }
 
@@ -336,6 +358,9 @@ impl Refused {
                  wait (--queue-timeout-ms or x-prefix-router-queue-timeout-ms); retry shortly",
                 waited.as_millis()
             ),
+            Refused::Draining => "the router is shutting down and takes no more waiting \
+                 requests; retry on another replica"
+                .to_string(),
             Refused::Requests | Refused::Tokens => format!(
                 "rate limit reached on {} per minute for this API key's tenant; retry in {} ms",
                 match self {
@@ -354,7 +379,7 @@ pub struct FlowMetrics {
     /// Requests waiting now, by priority (index: `Priority as usize`).
     pub depth: [AtomicU64; 3],
     /// Refusals by [`Refused`] (index: position in `Refused::ALL`).
-    pub refusals: [AtomicU64; 5],
+    pub refusals: [AtomicU64; 6],
     /// How long requests that waited waited (served or not).
     pub wait: Histogram,
 }
@@ -585,6 +610,9 @@ impl<'a> Ticket<'a> {
         who: &Who,
         front: bool,
     ) -> Result<Self, Refused> {
+        if flow.is_draining() {
+            return Err(Refused::Draining);
+        }
         let queue = load.flow();
         let mut waiting = queue.lock();
         if flow.queued.fetch_add(1, Relaxed) >= flow.max_queued {
@@ -625,9 +653,16 @@ impl<'a> Ticket<'a> {
     /// Waits until a place frees (`Ok`), the request's place goes to a more urgent one, or
     /// `until` passes.
     pub async fn wait(&mut self, until: tokio::time::Instant) -> Result<(), Refused> {
+        let drained = self.flow.drained.notified();
+        tokio::pin!(drained);
+        drained.as_mut().enable(); // registered before the check: a drain in between wakes it
+        if self.flow.is_draining() {
+            return Err(Refused::Draining);
+        }
         let grant = tokio::select! {
             g = &mut self.wake => g.unwrap_or(Grant::Go),
             () = tokio::time::sleep_until(until) => return Err(Refused::Timeout),
+            () = drained => return Err(Refused::Draining),
         };
         self.queued = false;
         match grant {

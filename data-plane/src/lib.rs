@@ -275,6 +275,8 @@ pub async fn serve_with_picker(
     drop(listener);
     drop(handoff);
     let _ = stop_tx.send(1);
+    // requests waiting for an instance are answered now (503), not cut at the end of the grace
+    router.flow.drain();
     drop(drain_tx);
     let grace = Duration::from_millis(config.shutdown_grace_ms);
     if tokio::time::timeout(grace, drain_rx.recv()).await.is_err() {

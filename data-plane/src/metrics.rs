@@ -310,7 +310,8 @@ impl Metrics {
         let mut refused = out.counter(
             "prefix_router_queue_refusals_total",
             "Requests refused by flow control: queue_full (503), shed (503: its place went to a \
-             more urgent request), queue_timeout (429).",
+             more urgent request or a quieter tenant), queue_timeout (429), requests_per_minute \
+             and tokens_per_minute (429: the tenant's rate limits), shutting_down (503).",
         );
         for (i, why) in crate::flow::Refused::ALL.iter().enumerate() {
             let n = self.flow.refusals[i].load(Relaxed);

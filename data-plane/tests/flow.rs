@@ -475,3 +475,31 @@ async fn sheddable_requests_leave_a_quarter_of_each_instance_to_the_others() {
         assert_eq!(r.await.unwrap().status, 200);
     }
 }
+
+#[tokio::test]
+async fn a_router_that_shuts_down_answers_its_waiting_requests_503_and_finishes_the_rest() {
+    let (_cp, b, mut router) = one_at_a_time(|_| {}).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    at_backend(&b).await;
+    let waiting: Vec<_> = (0..2)
+        .map(|i| spawn_post(&url, &[], body(&format!("w{i}"))))
+        .collect();
+    wait_queued(&router, 2.0).await;
+    let serve = router.begin_shutdown();
+    for w in waiting {
+        let r = w.await.unwrap();
+        r.assert_error(503, "service_unavailable");
+        assert_eq!(r.json()["error"]["code"], "shutting_down");
+        assert_eq!(r.header("retry-after"), "1");
+    }
+    // the request already on the instance finishes within the grace
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    tokio::time::timeout(WAIT, serve)
+        .await
+        .expect("serve returned")
+        .unwrap()
+        .unwrap();
+    assert_eq!(b.hits(), 1, "nothing that waited was sent on");
+}

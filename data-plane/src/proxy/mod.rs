@@ -402,7 +402,7 @@ impl Router {
         self.metrics.flow.refused(why);
         self.metrics.record_unrouted(why.status());
         let kind = match why {
-            Refused::Full | Refused::Shed => "service_unavailable",
+            Refused::Full | Refused::Shed | Refused::Draining => "service_unavailable",
             Refused::Timeout | Refused::Requests | Refused::Tokens => "rate_limit_exceeded",
         };
         let mut r = coded_error_response(why.status(), &why.message(waited), kind, why.as_str());
