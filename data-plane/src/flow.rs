@@ -21,10 +21,10 @@
 //!   again, at the front.
 //! - **Bounds.** Each waiter has a deadline (`--queue-timeout-ms`, or less from the client's
 //!   `x-prefix-router-queue-timeout-ms`): past it, 429 with Retry-After. At most `--max-queued`
-//!   wait in the router: past it a sheddable request is refused, and a more urgent one takes the
-//!   place of the variant's youngest sheddable waiter (which gets 503); failing that, a request
-//!   whose tenant has fewer waiting takes the place of the youngest waiter of the tenant with the
-//!   most (a flood does not shut a quieter tenant out), else it is refused with 503.
+//!   wait in the router: past it a request takes the place of the youngest waiter of the least
+//!   urgent class below its own in the variant (which gets 503); failing that, one whose tenant
+//!   has fewer waiting in its class takes the place of the youngest waiter of the tenant with the
+//!   most (a flood does not shut a quieter tenant out); else it is refused with 503.
 //!   A client that goes away leaves the queue at once (its ticket is dropped with the request).
 //!   When the router starts shutting down, every waiter is answered 503 (`shutting_down`) at
 //!   once and nothing starts waiting; requests already forwarded finish within the grace.
@@ -176,6 +176,23 @@ fn check_tenant(name: &str) -> Result<(), &'static str> {
         return Err("a tenant name is letters, digits and - _ . : @");
     }
     Ok(())
+}
+
+/// Checks `x-prefix-router-tenant` (when the key names no tenant) without keeping it: a bad
+/// header is refused whether the request would wait or not.
+pub fn check_tenant_header(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<(), String> {
+    if key.is_some_and(|k| k.tenant.is_some()) {
+        return Ok(());
+    }
+    match headers.get(X_TENANT) {
+        None => Ok(()),
+        Some(v) => {
+            let name = v.to_str().map_err(|_| {
+                format!("invalid {X_TENANT}: a tenant name is letters, digits and - _ . : @")
+            })?;
+            check_tenant(name).map_err(|e| format!("invalid {X_TENANT} {name:?}: {e}"))
+        }
+    }
 }
 
 /// Who sent a request and how urgent it is.
@@ -486,9 +503,11 @@ impl Waiting {
         None
     }
 
-    /// The youngest sheddable waiter.
-    fn pop_sheddable(&mut self) -> Option<Waiter> {
-        let class = &mut self.classes[Priority::Sheddable as usize];
+    /// The youngest waiter of the least urgent class below `above` that has any.
+    fn pop_less_urgent(&mut self, above: Priority) -> Option<Waiter> {
+        let p = (Priority::Sheddable as usize..above as usize)
+            .find(|&p| !self.classes[p].is_empty())?;
+        let class = &mut self.classes[p];
         let (i, _) = class
             .iter()
             .enumerate()
@@ -501,22 +520,20 @@ impl Waiting {
         w
     }
 
-    /// When the queue is full for `who`: the youngest waiter of the tenant with the most
-    /// waiting at `who`'s priority or below, if that tenant has at least two more waiting than
-    /// `who`'s own (a flood does not keep a quieter tenant out of a full queue).
+    /// When the queue is full for `who` and no less urgent request waits: the youngest waiter
+    /// of the tenant with the most waiting in `who`'s class, if that tenant has at least two
+    /// more waiting than `who`'s own (a flood does not keep a quieter tenant out of a full queue).
     fn pop_from_busiest(&mut self, who: &Who) -> Option<Waiter> {
-        let own = self.classes[who.priority as usize]
+        let p = who.priority as usize;
+        let own = self.classes[p]
             .iter()
             .find(|t| t.tenant == who.tenant)
             .map_or(0, |t| t.waiters.len());
-        let (p, i, len) = (Priority::Sheddable as usize..=who.priority as usize)
-            .flat_map(|p| {
-                self.classes[p]
-                    .iter()
-                    .enumerate()
-                    .map(move |(i, t)| (p, i, t.waiters.len()))
-            })
-            .max_by_key(|&(p, _, len)| (len, std::cmp::Reverse(p)))?;
+        let (i, len) = self.classes[p]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (i, t.waiters.len()))
+            .max_by_key(|&(_, len)| len)?;
         let class = &mut self.classes[p];
         if class[i].tenant == who.tenant || len < own + 2 {
             return None;
@@ -616,9 +633,8 @@ impl<'a> Ticket<'a> {
         let queue = load.flow();
         let mut waiting = queue.lock();
         if flow.queued.fetch_add(1, Relaxed) >= flow.max_queued {
-            let shed = (who.priority > Priority::Sheddable)
-                .then(|| waiting.pop_sheddable())
-                .flatten()
+            let shed = waiting
+                .pop_less_urgent(who.priority)
                 .or_else(|| waiting.pop_from_busiest(who));
             match shed {
                 Some(w) => {
@@ -660,6 +676,8 @@ impl<'a> Ticket<'a> {
             return Err(Refused::Draining);
         }
         let grant = tokio::select! {
+            // a grant that came in time wins over a deadline that passed meanwhile
+            biased;
             g = &mut self.wake => g.unwrap_or(Grant::Go),
             () = tokio::time::sleep_until(until) => return Err(Refused::Timeout),
             () = drained => return Err(Refused::Draining),
@@ -778,8 +796,10 @@ impl RateLimits {
         }
         if refused.is_none() {
             for i in 0..2 {
-                if limits[i].is_some() {
-                    buckets[i].level -= need[i];
+                if let Some(limit) = limits[i] {
+                    // a prompt over a minute's worth takes the whole bucket, no more: one huge
+                    // body does not lock its tenant out for hours
+                    buckets[i].level -= need[i].min(f64::from(limit));
                 }
             }
         }
@@ -901,7 +921,11 @@ mod tests {
             let (tx, _) = oneshot::channel();
             w.push(who, Waiter { id, wake: tx }, false);
         }
-        assert_eq!(w.pop_sheddable().map(|x| x.id), Some(3));
+        assert_eq!(w.pop_less_urgent(Priority::Standard).map(|x| x.id), Some(3));
+        assert!(
+            w.pop_less_urgent(Priority::Sheddable).is_none(),
+            "nothing below sheddable"
+        );
         assert!(w.remove(&s2, 2));
         assert!(!w.remove(&s2, 2));
         assert_eq!(w.pop().map(|x| x.id), Some(1));

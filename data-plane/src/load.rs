@@ -662,7 +662,9 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.instance.outstanding.fetch_sub(1, Relaxed);
         self.variant.outstanding.fetch_sub(1, Relaxed);
-        // its place may go to a request waiting for one
+        // its place may go to a request waiting for one (the fence pairs with the waiter's
+        // after it queues: one of the two sees the other)
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         self.variant.flow.release();
     }
 }

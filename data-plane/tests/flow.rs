@@ -165,6 +165,14 @@ async fn a_request_past_its_deadline_gets_429_and_a_client_that_leaves_frees_its
     assert_eq!(late.json()["error"]["code"], "queue_timeout");
     assert_eq!(late.header("retry-after"), "1");
     assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    // no time to wait at all: refused at once, nothing queued
+    let now = post(
+        &url,
+        &[("x-prefix-router-queue-timeout-ms", "0")],
+        body("now"),
+    )
+    .await;
+    assert_eq!(now.json()["error"]["code"], "queue_timeout");
     assert_eq!(
         metric(
             &router,
@@ -172,7 +180,7 @@ async fn a_request_past_its_deadline_gets_429_and_a_client_that_leaves_frees_its
             "queue_timeout"
         )
         .await,
-        1.0
+        2.0
     );
     let bad = post(
         &url,
@@ -427,6 +435,22 @@ async fn a_tenant_over_its_rate_gets_429_with_openai_rate_limit_headers() {
     assert!((1..=30).contains(&retry), "{retry}");
     assert_eq!(refused.header("x-ratelimit-remaining-requests"), "0");
     assert_eq!(b.hits(), 2, "the refused request reached no instance");
+    // a bad flow header is refused even when nothing would wait
+    let bad = post(
+        &url,
+        &[
+            ("authorization", "Bearer sk-free"),
+            ("x-prefix-router-tenant", "a/b"),
+        ],
+        body("q"),
+    )
+    .await;
+    bad.assert_error(400, "invalid_request_error");
+    assert!(
+        bad.text().contains("x-prefix-router-tenant"),
+        "{}",
+        bad.text()
+    );
     // another tenant is not slowed, and carries no rate headers
     let free = post(&url, &[("authorization", "Bearer sk-free")], body("q")).await;
     assert_eq!(free.status, 200);

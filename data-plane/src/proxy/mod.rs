@@ -429,6 +429,9 @@ impl Router {
         let v = route.variant;
         let bad = |msg: String| self.unrouted(Some(table), 400, &msg, "invalid_request_error");
         let priority = Priority::of(headers, key).map_err(bad)?;
+        // the other flow headers too, so that a bad one is refused whether or not it would wait
+        crate::flow::check_tenant_header(headers, key).map_err(bad)?;
+        let timeout = self.flow.timeout(headers).map_err(bad)?;
         let threshold = match v.strategy() {
             Strategy::PrefixAware(pa) => Some(pa.concurrency_threshold),
             _ => None,
@@ -445,9 +448,14 @@ impl Router {
             return Ok(None);
         }
         let who = Who::of(headers, key).map_err(bad)?;
-        let timeout = self.flow.timeout(headers).map_err(bad)?;
         let start = std::time::Instant::now();
         let until = (tokio::time::Instant::now() + timeout).min(deadline.deadline());
+        if until <= tokio::time::Instant::now() {
+            // no time to wait: refused without taking (or shedding) a place
+            self.metrics.flow.wait.observe(start.elapsed());
+            let second = std::time::Duration::from_secs(1);
+            return Err(self.flow_refusal(table, Refused::Timeout, timeout, second));
+        }
         let mut front = false;
         let refused = loop {
             let mut ticket =
@@ -455,7 +463,9 @@ impl Router {
                     Ok(t) => t,
                     Err(r) => break r,
                 };
-            // a place that freed before the ticket was in the queue went to no one
+            // a place that freed before the ticket was in the queue went to no one (the fence
+            // pairs with `InFlight`'s drop: it sees this waiter, or this sees its place)
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             if (0..v.instances().len()).any(usable) {
                 queue.release();
             }
