@@ -513,11 +513,7 @@ impl Waiting {
             .enumerate()
             .filter_map(|(i, t)| t.waiters.back().map(|w| (i, w.id)))
             .max_by_key(|&(_, id)| id)?;
-        let w = class[i].waiters.pop_back();
-        if class[i].waiters.is_empty() {
-            class.remove(i);
-        }
-        w
+        take_youngest(class, i)
     }
 
     /// When the queue is full for `who` and no less urgent request waits: the youngest waiter
@@ -538,11 +534,7 @@ impl Waiting {
         if class[i].tenant == who.tenant || len < own + 2 {
             return None;
         }
-        let w = class[i].waiters.pop_back();
-        if class[i].waiters.is_empty() {
-            class.remove(i);
-        }
-        w
+        take_youngest(class, i)
     }
 
     fn remove(&mut self, who: &Who, id: u64) -> bool {
@@ -559,6 +551,15 @@ impl Waiting {
         }
         true
     }
+}
+
+/// The youngest waiter of the `i`th tenant of `class`; a tenant left with none leaves the ring.
+fn take_youngest(class: &mut VecDeque<TenantQueue>, i: usize) -> Option<Waiter> {
+    let w = class[i].waiters.pop_back();
+    if class[i].waiters.is_empty() {
+        class.remove(i);
+    }
+    w
 }
 
 /// A variant's waiting requests (kept in its [`VariantLoad`], so that it outlives table

@@ -26,7 +26,7 @@ use proto::RoutingStrategy;
 use super::fleet::{Fleet, FleetSpec};
 use super::load::SseText;
 use super::metrics::{http_client, HttpClient};
-use super::report::BenchReport;
+use super::report::{percentile, BenchReport};
 use super::BenchArgs;
 use data_plane::flow::Switch;
 
@@ -98,13 +98,6 @@ pub struct TenantResult {
     pub refused: BTreeMap<String, usize>,
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((p * (sorted.len() - 1) as f64).round() as usize).min(sorted.len() - 1)]
 }
 
 /// Jain's fairness index of `xs`: 1 when all are equal, 1/n when one gets everything.

@@ -60,7 +60,8 @@ pub struct StrategyResult {
     pub ttft_ms_sorted: Vec<f64>,
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+/// The `p` quantile (0..=1) of `sorted` by nearest rank; 0 when empty.
+pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
