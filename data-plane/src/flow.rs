@@ -178,21 +178,24 @@ fn check_tenant(name: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// Checks `x-prefix-router-tenant` (when the key names no tenant) without keeping it: a bad
-/// header is refused whether the request would wait or not.
-pub fn check_tenant_header(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<(), String> {
+/// The tenant `x-prefix-router-tenant` names, checked (`None`: the key names its tenant, or the
+/// header is absent). Called on every request that flow control sees, so that a bad header is
+/// refused whether the request would wait or not; nothing is kept.
+pub fn tenant_header<'h>(
+    headers: &'h HeaderMap,
+    key: Option<&KeyPolicy>,
+) -> Result<Option<&'h str>, String> {
     if key.is_some_and(|k| k.tenant.is_some()) {
-        return Ok(());
+        return Ok(None);
     }
-    match headers.get(X_TENANT) {
-        None => Ok(()),
-        Some(v) => {
-            let name = v.to_str().map_err(|_| {
-                format!("invalid {X_TENANT}: a tenant name is letters, digits and - _ . : @")
-            })?;
-            check_tenant(name).map_err(|e| format!("invalid {X_TENANT} {name:?}: {e}"))
-        }
-    }
+    let Some(v) = headers.get(X_TENANT) else {
+        return Ok(None);
+    };
+    let name = v.to_str().map_err(|_| {
+        format!("invalid {X_TENANT}: a tenant name is letters, digits and - _ . : @")
+    })?;
+    check_tenant(name).map_err(|e| format!("invalid {X_TENANT} {name:?}: {e}"))?;
+    Ok(Some(name))
 }
 
 /// Who sent a request and how urgent it is.
@@ -209,15 +212,12 @@ impl Who {
     /// the header and its value.
     pub fn of(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<Who, String> {
         let priority = Priority::of(headers, key)?;
-        let tenant = match (key.and_then(|k| k.tenant.clone()), headers.get(X_TENANT)) {
+        let tenant = match (
+            key.and_then(|k| k.tenant.clone()),
+            tenant_header(headers, key)?,
+        ) {
             (Some(t), _) => t,
-            (None, Some(v)) => {
-                let name = v.to_str().map_err(|_| {
-                    format!("invalid {X_TENANT}: a tenant name is letters, digits and - _ . : @")
-                })?;
-                check_tenant(name).map_err(|e| format!("invalid {X_TENANT} {name:?}: {e}"))?;
-                name.into()
-            }
+            (None, Some(name)) => name.into(),
             (None, None) => Arc::from("default"),
         };
         Ok(Who { tenant, priority })

@@ -430,7 +430,7 @@ impl Router {
         let bad = |msg: String| self.unrouted(Some(table), 400, &msg, "invalid_request_error");
         let priority = Priority::of(headers, key).map_err(bad)?;
         // the other flow headers too, so that a bad one is refused whether or not it would wait
-        crate::flow::check_tenant_header(headers, key).map_err(bad)?;
+        crate::flow::tenant_header(headers, key).map_err(bad)?;
         let timeout = self.flow.timeout(headers).map_err(bad)?;
         let threshold = match v.strategy() {
             Strategy::PrefixAware(pa) => Some(pa.concurrency_threshold),
