@@ -252,54 +252,22 @@ const MIN_SAMPLE: u32 = 8;
 /// Strikes a gate remembers (its hold stops doubling well before: see `max_hold_ms`).
 const MAX_STRIKES: u32 = 8;
 
-/// Revisits of reused keys and their misses since the homes pass last took them.
-#[derive(Debug, Default)]
-struct Sample {
-    revisits: AtomicU32,
-    misses: AtomicU32,
-}
-
-impl Sample {
-    /// Counts one revisit; true when this one completes a sample that already says the cache
-    /// overflows (once per sample).
-    fn add(&self, miss: bool, t: &FeedbackTuning) -> bool {
-        let revisits = self.revisits.fetch_add(1, Relaxed) + 1;
-        let misses = match miss {
-            true => self.misses.fetch_add(1, Relaxed) + 1,
-            false => self.misses.load(Relaxed),
-        };
-        revisits == MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(revisits)
-    }
-
-    /// The fraction that missed (`None`: too few to tell yet; they are kept for the next call).
-    fn take(&self) -> Option<f64> {
-        if self.revisits.load(Relaxed) < MIN_SAMPLE {
-            return None;
-        }
-        let revisits = self.revisits.swap(0, Relaxed);
-        let misses = self.misses.swap(0, Relaxed);
-        Some(f64::from(misses) / f64::from(revisits.max(1)))
-    }
-}
-
-/// One instance's prefix cache as the revisits on it show it. When the revisits of plain
-/// placements miss (a copy's misses are the copying rule's; see [`Rule::spends_cache`]), it holds more
+/// One instance's prefix cache as the revisits of plain placements on it show it (a copy's
+/// misses are the copying rule's; see [`Rule::spends_cache`]). When they miss, it holds more
 /// prefixes than fit (by hash luck one instance of a few can be given more documents than its
 /// cache holds while another idles): each strike against it sends one more eighth of its keys
 /// (at most three quarters; which ones is a function of the key, the same on every router) to an
 /// instance whose last window hit (the least loaded), until good windows take the strikes away.
 /// Nothing is copied for it: the keys move, and the overflowing cache is left with fewer.
-/// Revisits of reused keys are also sampled for the homes pass, a copy's apart
-/// ([`InstanceCache::take_miss_rate`], [`InstanceCache::take_copy_miss_rate`]).
 #[derive(Debug)]
 pub struct InstanceCache {
     gate: Gate,
     /// The last window of revisits hit (true until one is seen).
     hitting: AtomicBool,
-    /// Reused keys' revisits placed by rules that do not spend cache.
-    plain: Sample,
-    /// Reused keys' revisits placed by rules that do.
-    copies: Sample,
+    /// Revisits of reused keys and their misses since the homes pass last took them (see
+    /// [`InstanceCache::take_miss_rate`]).
+    sampled: AtomicU32,
+    sampled_misses: AtomicU32,
 }
 
 impl Default for InstanceCache {
@@ -307,8 +275,8 @@ impl Default for InstanceCache {
         InstanceCache {
             gate: Gate::default(),
             hitting: AtomicBool::new(true),
-            plain: Sample::default(),
-            copies: Sample::default(),
+            sampled: AtomicU32::new(0),
+            sampled_misses: AtomicU32::new(0),
         }
     }
 }
@@ -326,24 +294,33 @@ impl InstanceCache {
         self.hitting.load(Relaxed)
     }
 
-    /// The fraction of the reused keys' plain revisits since the last verdict that missed
-    /// (`None`: too few to tell yet; they are kept for the next call). A router that sees a
-    /// quarter of the traffic fills a gate's window four times slower; the homes pass, which
-    /// asks once per half-window, needs a verdict soon.
+    /// The fraction of the reused keys' revisits since the last verdict that missed (`None`: too
+    /// few to tell yet; they are kept for the next call). A router that sees a quarter of the
+    /// traffic fills a gate's window four times slower; the homes pass, which asks once per
+    /// half-window, needs a verdict soon.
     pub fn take_miss_rate(&self) -> Option<f64> {
-        self.plain.take()
-    }
-
-    /// The same for the revisits of copies (a hot key's replicas, spills, deepened heads).
-    pub fn take_copy_miss_rate(&self) -> Option<f64> {
-        self.copies.take()
+        if self.sampled.load(Relaxed) < MIN_SAMPLE {
+            return None;
+        }
+        let revisits = self.sampled.swap(0, Relaxed);
+        let misses = self.sampled_misses.swap(0, Relaxed);
+        Some(f64::from(misses) / f64::from(revisits.max(1)))
     }
 
     /// Learns from a revisit placed by a rule that does not spend cache (`reused`: of a key the
     /// homes pass counted); true when the reused keys' revisits since the last
     /// [`InstanceCache::take_miss_rate`] verdict already say the cache overflows (once per sample).
     fn learn(&self, miss: bool, reused: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
-        let overflows = reused && self.plain.add(miss, t);
+        let mut overflows = false;
+        if reused {
+            let sampled = self.sampled.fetch_add(1, Relaxed) + 1;
+            let misses = match miss {
+                true => self.sampled_misses.fetch_add(1, Relaxed) + 1,
+                false => self.sampled_misses.load(Relaxed),
+            };
+            overflows =
+                sampled == MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
+        }
         let t = FeedbackTuning {
             strike_interval_ms: t.relief_interval_ms,
             ..*t
@@ -392,14 +369,6 @@ impl Feedback {
         let miss = !report.hit();
         let reused = visit == Visit::ReusedRevisit;
         if !rule.spends_cache() && instance.learn(miss, reused, now_ms, t) {
-            self.pass_due.store(true, Relaxed);
-        }
-        // A copy's revisits sample the instance too (the homes pass counts a hot key's copies
-        // as room taken on each of its instances), apart from the plain ones: left to the
-        // copying rule's gate, whose window is 64 revisits, the first pass's copies (7
-        // documents where 2 fit, on 4 llama-servers) stood for 16 s before 4 routers, each
-        // seeing a quarter of the revisits, had filled it.
-        if rule.spends_cache() && reused && instance.copies.add(miss, t) {
             self.pass_due.store(true, Relaxed);
         }
         // A rule that spends cache closing changes what the homes pass may place (a hot key's
@@ -477,21 +446,14 @@ pub(crate) mod tests {
         let f = Feedback::default();
         let i = InstanceCache::default();
         let now = 1_000;
-        for n in 1..=t.window {
+        for _ in 0..t.window {
             assert!(f.allows(Rule::HotReplica, now));
+            assert!(
+                !f.take_pass_due(),
+                "no pass asked for before the gate closes"
+            );
             f.learn(Rule::HotReplica, Visit::ReusedRevisit, MISS, now, &t, &i);
-            if n < t.window {
-                // the copies' first sample of the instance already says it overflows: the
-                // homes pass is asked to count again, once, long before the gate's window ends
-                assert_eq!(f.take_pass_due(), n == MIN_SAMPLE, "revisit {n}");
-            }
         }
-        assert_eq!(i.take_copy_miss_rate(), Some(1.0));
-        assert_eq!(
-            i.take_miss_rate(),
-            None,
-            "a copy's revisits are not plain ones"
-        );
         assert!(!f.allows(Rule::HotReplica, now));
         // the homes pass, which placed the copies, is asked to run again now
         assert!(f.take_pass_due());

@@ -43,13 +43,6 @@
 //! documents, counting alone gave 3/1/3/2 and the two with 3 thrashed (hit 84%); with the
 //! bound, 2/2/2/2 and 93.8% (the workload's ceiling 94.1%).
 //!
-//! While a bound is known every reused key without copies has its place written down, its top
-//! choice included: a router's own share estimates (which keys it calls hot) then neither
-//! spread nor move it, and replicas whose clients differ still agree.
-//! A copy's revisits count too: where most of them miss (the first pass's copies, 7 documents
-//! on an instance whose cache holds 2), the bound is learnt from them at once, not after the
-//! copying rule's gate has filled its window (4 routers took 16 s).
-//!
 //! A home is not a copy: the key leaves its top choice for the home, once. Its revisits there
 //! are held to the engines' reports like plain hashing's (until a bound is known, relief moves
 //! keys off a home whose cache still overflows).
@@ -149,23 +142,26 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
                 first.iter().for_each(|&i| held[i] += 1);
                 continue;
             }
-            // The caches have no room for its copies: one place, chosen as any other key's
-            // (below), so that which keys a router estimates hot changes nothing where no copy
-            // fits (replicas disagree on shares, not on the set of reused keys).
-            walk = RendezvousWalk::new(hashes, key, top, score);
+            // The caches have no room for its copies: one instance, the first of its ranking
+            // with room (a home, even if that is its top choice, so that placement does not
+            // spread it).
+            let one = first
+                .iter()
+                .copied()
+                .chain(walk)
+                .find(|&i| room(&held, i))
+                .unwrap_or(top);
+            held[one] += 1;
+            out.push(home(one));
+            continue;
         }
-        // Where the caches are known to be full, or the key is hot, its place is written down
-        // even when it is its top choice: placement then neither spreads it (its own estimate
-        // of the key's share may call it hot) nor moves it by weights or warmth, so that every
-        // router sends it where this pass, a function of the reused keys and the bound, put it.
-        let pin = r > 1 || cap.is_some();
         // A home is kept while it is no more crowded than the top choice (moving back would
         // be a move too), unless the caches are known to be full: the pass is then a function
         // of the reused keys and the bound alone, as replicas must agree where each
         // disagreement is an eviction.
         if cap.is_none() {
             if let Some(h) = previous.get(&key).and_then(|h| h.locate(hashes)) {
-                if (h != top || pin) && held[h] <= held[top] {
+                if h != top && held[h] <= held[top] {
                     held[h] += 1;
                     out.push(home(h));
                     continue;
@@ -180,9 +176,6 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         }
         if room(&held, top) && held[top] as f64 <= held[best] as f64 + slack {
             held[top] += 1;
-            if pin {
-                out.push(home(top));
-            }
             continue;
         }
         // the emptiest of its first choices, else (all of them full) the first instance of
@@ -194,7 +187,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
             walk.find(|&i| room(&held, i)).unwrap_or(best)
         };
         held[to] += 1;
-        if to != top || pin {
+        if to != top {
             out.push(home(to));
         }
     }
@@ -245,33 +238,19 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
     };
     let mut cap = homes.capacity();
     let mut overflowed = false;
-    let over = |m: &f64| *m > t.feedback.miss_limit;
     for (i, instance) in v.instances().iter().enumerate() {
         let cache = instance.state().cache();
-        let plain = cache.take_miss_rate().filter(over);
-        let copies = cache.take_copy_miss_rate().filter(over);
-        let k = held_at(i, hashes[i]);
-        // the cache holds about k * (1 - missed) (see above)
-        let holds = |missed: f64| ((f64::from(k) * (1.0 - missed)).floor() as u32).max(even);
-        let bound = match (plain, copies) {
-            (Some(missed), _) => {
-                overflowed = true;
-                holds(missed)
-            }
-            // Copies' misses alone bound the cache only where most of them miss: each then
-            // costs a prefill more often than it saves one, whatever the cache holds. Where
-            // some copies fit (engine-sim's long-context fleet, hot documents on 7 instances
-            // whose caches hold 15 of 80), a few of their revisits miss, the estimate from so
-            // skewed a sample understates what the cache holds (a bound of 10 there cost one
-            // instance 4.4 points of share), and the copying rule's own gate judges them.
-            (None, Some(missed)) if missed > 0.5 => {
-                overflowed = true;
-                holds(missed)
-            }
-            _ => continue,
+        let Some(missed) = cache
+            .take_miss_rate()
+            .filter(|&m| m > t.feedback.miss_limit)
+        else {
+            continue;
         };
+        overflowed = true;
+        let k = held_at(i, hashes[i]);
         if k > even {
-            let holds = bound.min(k - 1);
+            // the cache holds about k * (1 - missed) (see above)
+            let holds = ((f64::from(k) * (1.0 - missed)).floor() as u32).clamp(even, k - 1);
             cap = Some(cap.map_or(holds, |c| c.min(holds)));
         }
     }
