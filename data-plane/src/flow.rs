@@ -18,7 +18,10 @@
 //! - **Wake.** Every request that leaves an instance ([`crate::load::InFlight`]'s drop) hands its
 //!   place to the next waiter of the variant. The waiter takes its placement's instance if that
 //!   one is free, else the first free one; if another request took the place first it queues
-//!   again, at the front.
+//!   again, at the front. A new table wakes as many of a variant's waiters as it has free
+//!   places (an instance joined), and every waiter of a variant it no longer has; a waiter woken
+//!   under a table that is no longer served routes again by the new one (still at the front, its
+//!   deadline unchanged).
 //! - **Bounds.** Each waiter has a deadline (`--queue-timeout-ms`, or less from the client's
 //!   `x-prefix-router-queue-timeout-ms`): past it, 429 with Retry-After. At most `--max-queued`
 //!   wait in the router: past it a request takes the place of the youngest waiter of the least
@@ -41,8 +44,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use tokio::sync::oneshot;
 
 use crate::config::Config;
-use crate::load::VariantLoad;
+use crate::load::{now_ms, VariantLoad};
 use crate::metrics::Histogram;
+use crate::table::{RoutingTable, Strategy, Variant};
 
 pub const X_TENANT: HeaderName = HeaderName::from_static("x-prefix-router-tenant");
 pub const X_PRIORITY: HeaderName = HeaderName::from_static("x-prefix-router-priority");
@@ -267,6 +271,48 @@ impl FlowControl {
         match priority {
             Priority::Sheddable => limit - limit / 4,
             Priority::Standard | Priority::Critical => limit,
+        }
+    }
+
+    /// [`FlowControl::limit`] for an instance of `v`.
+    pub fn variant_limit(&self, v: &Variant, priority: Priority) -> u64 {
+        let threshold = match v.strategy() {
+            Strategy::PrefixAware(pa) => Some(pa.concurrency_threshold),
+            _ => None,
+        };
+        self.limit(threshold, priority)
+    }
+
+    /// `new` now serves in place of `old`: each of its variants' waiters may take a place it adds
+    /// (an instance that joined a full fleet), and the waiters of a variant it no longer has must
+    /// go by it rather than wait for a place no table serves. Woken, each routes again (see the
+    /// module doc).
+    pub fn table_changed(&self, old: Option<&RoutingTable>, new: &RoutingTable) {
+        if self.queued() == 0 {
+            return;
+        }
+        let now = now_ms();
+        let kept = variants(new);
+        for v in &kept {
+            let queue = v.load().flow();
+            if queue.is_empty() {
+                continue;
+            }
+            let limit = self.variant_limit(v, Priority::Critical);
+            let free: u64 = v
+                .instances()
+                .iter()
+                .filter(|i| !i.state().is_ejected(now))
+                .map(|i| limit.saturating_sub(i.state().outstanding()))
+                .sum();
+            for _ in 0..free.min(queue.len() as u64) {
+                queue.release();
+            }
+        }
+        for v in old.map(variants).unwrap_or_default() {
+            if !kept.iter().any(|k| Arc::ptr_eq(k.load(), v.load())) {
+                v.load().flow().release_all();
+            }
         }
     }
 
@@ -586,6 +632,11 @@ impl Queue {
         self.len.load(Relaxed) == 0
     }
 
+    /// Waiters now.
+    pub fn len(&self) -> usize {
+        self.len.load(Relaxed)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -601,6 +652,19 @@ impl Queue {
             if w.wake.send(Grant::Go).is_ok() {
                 return;
             }
+        }
+    }
+
+    /// Wakes every waiter (its variant is gone from the table: see
+    /// [`FlowControl::table_changed`]).
+    fn release_all(&self) {
+        let woken: Vec<Waiter> = {
+            let mut waiting = self.lock();
+            std::iter::from_fn(|| waiting.pop()).collect()
+        };
+        self.len.fetch_sub(woken.len(), Relaxed);
+        for w in woken {
+            let _ = w.wake.send(Grant::Go);
         }
     }
 }
@@ -879,6 +943,10 @@ pub fn estimated_tokens(body: &[u8]) -> u64 {
 /// How long since `start`, for the `x-prefix-router-queued-ms` header.
 pub fn queued_header(start: Instant) -> HeaderValue {
     HeaderValue::from(start.elapsed().as_millis() as u64)
+}
+
+fn variants(t: &RoutingTable) -> Vec<&Variant> {
+    t.endpoints().flat_map(|e| e.variants().iter()).collect()
 }
 
 #[cfg(test)]

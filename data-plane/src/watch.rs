@@ -311,8 +311,10 @@ fn decode(response: &WatchRoutingTableResponse) -> Result<proto::RoutingTable, S
 fn store(router: &Router, table: RoutingTable) {
     router.metrics.table_version.store(table.version(), Relaxed);
     router.metrics.tables_applied.fetch_add(1, Relaxed);
-    router.table.store(Some(Arc::new(table)));
+    let table = Arc::new(table);
+    let old = router.table.swap(Some(table.clone()));
     router.table_applied.notify_waiters();
+    router.flow.table_changed(old.as_deref(), &table);
 }
 
 /// Loads `--table-cache` at start, so the router serves before the control plane answers.

@@ -11,6 +11,7 @@ use data_plane::Config;
 use proto::RoutingStrategy;
 use support::*;
 use test_support::wait_for;
+use tokio::task::JoinHandle;
 
 /// A router over one held backend that takes one request at a time.
 async fn one_at_a_time(
@@ -69,6 +70,22 @@ async fn at_backend(b: &Backend) -> String {
         .as_str()
         .unwrap()
         .to_string()
+}
+
+/// `first` held at `b`, then `n` requests waiting behind it.
+async fn queue_behind_one(
+    url: &str,
+    b: &Backend,
+    router: &RouterHandle,
+    n: usize,
+) -> (JoinHandle<Reply>, Vec<JoinHandle<Reply>>) {
+    let first = spawn_post(url, &[], body("first"));
+    at_backend(b).await;
+    let waiting: Vec<_> = (0..n)
+        .map(|i| spawn_post(url, &[], body(&format!("w{i}"))))
+        .collect();
+    wait_queued(router, n as f64).await;
+    (first, waiting)
 }
 
 /// Releases the held request and returns the prompt of the next one the backend gets.
@@ -362,12 +379,7 @@ async fn prefix_aware_requests_wait_only_once_every_instance_is_at_its_threshold
 async fn a_strategy_swap_while_requests_wait_loses_none_and_flow_control_can_be_off() {
     let (cp, b, router) = one_at_a_time(|_| {}).await;
     let url = router.url("/v1/completions");
-    let first = spawn_post(&url, &[], body("first"));
-    at_backend(&b).await;
-    let waiting: Vec<_> = (0..3)
-        .map(|i| spawn_post(&url, &[], body(&format!("w{i}"))))
-        .collect();
-    wait_queued(&router, 3.0).await;
+    let (first, waiting) = queue_behind_one(&url, &b, &router, 3).await;
     cp.push(simple_table(
         2,
         strategy(RoutingStrategy::LeastOutstandingRequests),
@@ -504,12 +516,7 @@ async fn sheddable_requests_leave_a_quarter_of_each_instance_to_the_others() {
 async fn a_router_that_shuts_down_answers_its_waiting_requests_503_and_finishes_the_rest() {
     let (_cp, b, mut router) = one_at_a_time(|_| {}).await;
     let url = router.url("/v1/completions");
-    let first = spawn_post(&url, &[], body("first"));
-    at_backend(&b).await;
-    let waiting: Vec<_> = (0..2)
-        .map(|i| spawn_post(&url, &[], body(&format!("w{i}"))))
-        .collect();
-    wait_queued(&router, 2.0).await;
+    let (first, waiting) = queue_behind_one(&url, &b, &router, 2).await;
     let serve = router.begin_shutdown();
     for w in waiting {
         let r = w.await.unwrap();
@@ -526,4 +533,66 @@ async fn a_router_that_shuts_down_answers_its_waiting_requests_503_and_finishes_
         .unwrap()
         .unwrap();
     assert_eq!(b.hits(), 1, "nothing that waited was sent on");
+}
+
+/// A fleet that grows while requests wait: the table that adds an instance sends them there at
+/// once (before, they waited for a place on the old instance, here held forever, until their
+/// deadline), and one whose variant is gone answers them by the new table at once.
+#[tokio::test]
+async fn requests_waiting_when_a_table_adds_an_instance_go_to_it_at_once() {
+    let (cp, b, router) = one_at_a_time(|_| {}).await;
+    let url = router.url("/v1/completions");
+    let (first, waiting) = queue_behind_one(&url, &b, &router, 2).await;
+    let c = Backend::start("new").await;
+    let started = Instant::now();
+    cp.push(simple_table(
+        2,
+        strategy(RoutingStrategy::Random),
+        &[b.url.as_str(), c.url.as_str()],
+    ));
+    router.wait_version(2).await;
+    // one place on the new instance: the first waiter takes it, the second takes the next
+    for w in waiting {
+        let r = tokio::time::timeout(WAIT, w)
+            .await
+            .expect("the waiter is served by the new instance")
+            .unwrap();
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(
+        c.hits(),
+        2,
+        "both waiters went to the instance the table added"
+    );
+    assert!(started.elapsed() < WAIT);
+    assert_eq!(b.active(), 1, "the held request stays where it was");
+    wait_queued(&router, 0.0).await;
+
+    // a table without the waiter's variant: the waiter goes by the new table at once, not left
+    // in a queue no table serves
+    c.set(Behavior::Hold);
+    let on_c = spawn_post(&url, &[], body("on-c"));
+    wait_for("the new instance holds a request", WAIT, || async {
+        c.active() == 1
+    })
+    .await;
+    let stranded = spawn_post(&url, &[], body("stranded"));
+    wait_queued(&router, 1.0).await;
+    let d = Backend::start("other").await;
+    let mut moved = simple_table(3, strategy(RoutingStrategy::Random), &[d.url.as_str()]);
+    moved.endpoints[0].variants[0].variant_name = "other".to_string();
+    cp.push(moved);
+    router.wait_version(3).await;
+    let r = tokio::time::timeout(WAIT, stranded)
+        .await
+        .expect("the stranded waiter is answered by the new table")
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(d.hits(), 1, "it went to the new variant's instance");
+    wait_queued(&router, 0.0).await;
+    b.release();
+    c.release();
+    let _ = first.await;
+    let _ = on_c.await;
+    router.shutdown().await;
 }

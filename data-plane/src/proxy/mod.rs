@@ -36,7 +36,7 @@ use crate::placement::{Placement, Route, RouteRequest};
 use crate::prompt::BodyKind;
 use crate::response::{coded_error_response, error_response, json_response, ResponseBody};
 use crate::spans::{record_route, record_status, route_span};
-use crate::table::{RoutingTable, Strategy};
+use crate::table::RoutingTable;
 
 pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
 pub const X_TARGET_VARIANT: HeaderName = HeaderName::from_static("x-target-variant");
@@ -65,6 +65,15 @@ pub(crate) struct Router {
     max_body_bytes: usize,
     request_timeout: Duration,
     body_read_timeout: Duration,
+}
+
+/// How flow control let a request through.
+enum Waited {
+    /// To the route's instance (which may have moved to a free one): `Some(when it began to
+    /// wait)` if it waited.
+    Placed(Option<std::time::Instant>),
+    /// Woken under a table no longer served: route again by this one (waiting since then).
+    NewTable(Arc<RoutingTable>, std::time::Instant),
 }
 
 /// A request to proxy, as dispatch found it: the body's kind, the endpoint named by the path
@@ -333,33 +342,46 @@ impl Router {
             target_variant,
             prefix_aware_id: parts.headers.get(X_PREFIX_AWARE_ID).map(|v| v.as_bytes()),
         };
-        let mut route = match self.placement.route(&table, &request) {
-            Ok(route) => route,
-            Err(e) => {
-                let kind = if e.status() == 404 {
-                    "not_found_error"
-                } else {
-                    "service_unavailable"
-                };
-                return self.unrouted(Some(&table), e.status(), &e.to_string(), kind);
+        // A waiter woken under a table that is no longer served routes again by the new one.
+        let mut table = table;
+        let mut requeued = None;
+        let mut route;
+        let queued = loop {
+            route = match self.placement.route(&table, &request) {
+                Ok(route) => route,
+                Err(e) => {
+                    let kind = if e.status() == 404 {
+                        "not_found_error"
+                    } else {
+                        "service_unavailable"
+                    };
+                    return self.unrouted(Some(&table), e.status(), &e.to_string(), kind);
+                }
+            };
+            if requeued.is_none() {
+                self.metrics.decision.observe(started.elapsed());
             }
-        };
-        self.metrics.decision.observe(started.elapsed());
-        let queued = match self.flow.enabled() {
-            true => match self
+            if !self.flow.enabled() {
+                break None;
+            }
+            match self
                 .wait_for_instance(
                     &table,
                     &mut route,
                     &parts.headers,
                     call.key.as_ref(),
                     &deadline,
+                    requeued,
                 )
                 .await
             {
-                Ok(queued) => queued,
+                Ok(Waited::Placed(queued)) => break queued,
+                Ok(Waited::NewTable(next, since)) => {
+                    requeued = Some(since);
+                    table = next;
+                }
                 Err(response) => return response,
-            },
-            false => None,
+            }
         };
         let in_flight = InFlight::start(
             route.variant.instances()[route.instance].state(),
@@ -417,7 +439,8 @@ impl Router {
     /// Flow control ([`crate::flow`]): `Ok(None)` at once when the route's instance is below its
     /// in-flight limit and no one waits, or when another instance is (the route moves there);
     /// else the request waits its turn in the variant's queue (`Ok(Some(when it began))`) or is
-    /// refused.
+    /// refused. `requeued`: when the request began waiting under a table no longer served (it
+    /// waits again at the front, to the same deadline).
     async fn wait_for_instance(
         &self,
         table: &RoutingTable,
@@ -425,38 +448,35 @@ impl Router {
         headers: &HeaderMap,
         key: Option<&KeyPolicy>,
         deadline: &Pin<Box<Sleep>>,
-    ) -> Result<Option<std::time::Instant>, Response<ResponseBody>> {
+        requeued: Option<std::time::Instant>,
+    ) -> Result<Waited, Response<ResponseBody>> {
         let v = route.variant;
         let bad = |msg: String| self.unrouted(Some(table), 400, &msg, "invalid_request_error");
         let priority = Priority::of(headers, key).map_err(bad)?;
         // the other flow headers too, so that a bad one is refused whether or not it would wait
         crate::flow::tenant_header(headers, key).map_err(bad)?;
         let timeout = self.flow.timeout(headers).map_err(bad)?;
-        let threshold = match v.strategy() {
-            Strategy::PrefixAware(pa) => Some(pa.concurrency_threshold),
-            _ => None,
-        };
-        let limit = self.flow.limit(threshold, priority);
+        let limit = self.flow.variant_limit(v, priority);
         let queue = v.load().flow();
         let free = |i: usize| v.instances()[i].state().outstanding() < limit;
         // what move_to_free would take (a free but ejected instance is no reason to wake anyone)
         let usable = |i: usize| free(i) && !v.instances()[i].state().is_ejected(now_ms());
         if queue.is_empty() && free(route.instance) {
-            return Ok(None);
+            return Ok(Waited::Placed(requeued));
         }
         if queue.is_empty() && self.move_to_free(route, limit) {
-            return Ok(None);
+            return Ok(Waited::Placed(requeued));
         }
         let who = Who::of(headers, key).map_err(bad)?;
-        let start = std::time::Instant::now();
-        let until = (tokio::time::Instant::now() + timeout).min(deadline.deadline());
+        let start = requeued.unwrap_or_else(std::time::Instant::now);
+        let until = (tokio::time::Instant::from_std(start) + timeout).min(deadline.deadline());
         if until <= tokio::time::Instant::now() {
             // no time to wait: refused without taking (or shedding) a place
             self.metrics.flow.wait.observe(start.elapsed());
             let second = std::time::Duration::from_secs(1);
             return Err(self.flow_refusal(table, Refused::Timeout, timeout, second));
         }
-        let mut front = false;
+        let mut front = requeued.is_some();
         let refused = loop {
             let mut ticket =
                 match Ticket::take(&self.flow, &self.metrics.flow, v.load(), &who, front) {
@@ -473,9 +493,16 @@ impl Router {
                 break r;
             }
             drop(ticket);
+            if let Some(next) = self
+                .table
+                .load_full()
+                .filter(|t| t.version() != table.version())
+            {
+                return Ok(Waited::NewTable(next, start));
+            }
             if free(route.instance) || self.move_to_free(route, limit) {
                 self.metrics.flow.wait.observe(start.elapsed());
-                return Ok(Some(start));
+                return Ok(Waited::Placed(Some(start)));
             }
             // another request took the place first: back to the front
             front = true;
