@@ -436,10 +436,10 @@ impl Router {
         r
     }
 
-    /// Flow control ([`crate::flow`]): `Ok(None)` at once when the route's instance is below its
-    /// in-flight limit and no one waits, or when another instance is (the route moves there);
-    /// else the request waits its turn in the variant's queue (`Ok(Some(when it began))`) or is
-    /// refused. `requeued`: when the request began waiting under a table no longer served (it
+    /// Flow control ([`crate::flow`]): `Ok(Placed(None))` at once when the route's instance is
+    /// below its in-flight limit and no one waits, or when another instance is (the route moves
+    /// there); else the request waits its turn in the variant's queue (`Ok(Placed(Some(when it
+    /// began)))`, or `Ok(NewTable)` when woken under a table no longer served) or is refused. `requeued`: when the request began waiting under a table no longer served (it
     /// waits again at the front, to the same deadline).
     async fn wait_for_instance(
         &self,
@@ -461,10 +461,10 @@ impl Router {
         let free = |i: usize| v.instances()[i].state().outstanding() < limit;
         // what move_to_free would take (a free but ejected instance is no reason to wake anyone)
         let usable = |i: usize| free(i) && !v.instances()[i].state().is_ejected(now_ms());
-        if queue.is_empty() && free(route.instance) {
-            return Ok(Waited::Placed(requeued));
-        }
-        if queue.is_empty() && self.move_to_free(route, limit) {
+        if queue.is_empty() && (free(route.instance) || self.move_to_free(route, limit)) {
+            if let Some(start) = requeued {
+                self.metrics.flow.wait.observe(start.elapsed());
+            }
             return Ok(Waited::Placed(requeued));
         }
         let who = Who::of(headers, key).map_err(bad)?;
