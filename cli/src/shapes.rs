@@ -111,12 +111,14 @@ fn variants_table(variants: &[ProductionVariantDoc]) -> Table {
         "STRATEGY",
         "PREFIX_LENGTH",
         "CONCURRENCY_THRESHOLD",
+        "DEFAULT_PRIORITY",
         "INSTANCES",
     ]);
     for v in variants {
         let rc = v.routing_config.clone().unwrap_or(RoutingConfigDoc {
             routing_strategy: None,
             prefix_aware_routing_config: None,
+            default_priority: None,
         });
         let prefix = rc.prefix_aware_routing_config;
         t.row(vec![
@@ -131,6 +133,7 @@ fn variants_table(variants: &[ProductionVariantDoc]) -> Table {
             prefix
                 .and_then(|p| p.concurrency_threshold)
                 .map_or("-".into(), |n| n.to_string()),
+            rc.default_priority.unwrap_or_else(|| "STANDARD".into()),
             if v.instances.is_empty() {
                 "-".into()
             } else {

@@ -328,6 +328,7 @@ async fn apply_endpoint(
         routing_config: Some(RoutingConfig {
             routing_strategy: strategy as i32,
             prefix_aware_routing_config: None,
+            ..Default::default()
         }),
         instances: engines.to_vec(),
     }];

@@ -5,7 +5,9 @@
 //! InitialInstanceCount, VolumeSizeInGB, ...) are ignored; `Instances` is ours. Either the bare
 //! list or an object holding `ProductionVariants` (a `describe-endpoint-config` answer) is accepted.
 
-use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy};
+use proto::{
+    PrefixAwareRoutingConfig, ProductionVariant, RequestPriority, RoutingConfig, RoutingStrategy,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::InputError;
@@ -50,6 +52,10 @@ pub struct RoutingConfigDoc {
     pub routing_strategy: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_aware_routing_config: Option<PrefixAwareRoutingConfigDoc>,
+    /// CRITICAL, STANDARD or SHEDDABLE: the priority of requests that name none (unset:
+    /// STANDARD).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_priority: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -121,8 +127,19 @@ impl ProductionVariantDoc {
                     Some(name) => parse_strategy(name, &self.variant_name)?,
                     None => RoutingStrategy::Unspecified,
                 };
+                let priority = match &rc.default_priority {
+                    Some(name) => RequestPriority::from_user_name(name).ok_or_else(|| {
+                        InputError(format!(
+                            "unknown DefaultPriority {name:?} for variant {:?} (expected {})",
+                            self.variant_name,
+                            RequestPriority::USER_NAMES
+                        ))
+                    })?,
+                    None => RequestPriority::Unspecified,
+                };
                 Some(RoutingConfig {
                     routing_strategy: strategy as i32,
+                    default_priority: priority as i32,
                     prefix_aware_routing_config: rc.prefix_aware_routing_config.map(|p| {
                         PrefixAwareRoutingConfig {
                             prefix_length: p.prefix_length.unwrap_or(0),
@@ -165,6 +182,11 @@ impl From<&RoutingConfig> for RoutingConfigDoc {
                     concurrency_threshold: Some(p.concurrency_threshold),
                 }
             }),
+            default_priority: match RequestPriority::try_from(rc.default_priority) {
+                Ok(RequestPriority::Unspecified) => None,
+                Ok(p) => Some(p.user_name().to_string()),
+                Err(_) => Some(format!("UNKNOWN({})", rc.default_priority)),
+            },
         }
     }
 }
@@ -220,6 +242,26 @@ mod tests {
         let docs: Vec<ProductionVariantDoc> = v.iter().map(ProductionVariantDoc::from).collect();
         let json = serde_json::to_string(&docs).unwrap();
         assert_eq!(parse_production_variants(&json, "x").unwrap(), v);
+    }
+
+    #[test]
+    fn a_variant_names_the_priority_of_requests_that_name_none() {
+        let doc = r#"[{"VariantName":"batch","RoutingConfig":{"RoutingStrategy":"RANDOM","DefaultPriority":"sheddable"}}]"#;
+        let v = parse_production_variants(doc, "x").unwrap();
+        let rc = v[0].routing_config.unwrap();
+        assert_eq!(rc.default_priority, RequestPriority::Sheddable as i32);
+        let out = serde_json::to_string(&ProductionVariantDoc::from(&v[0])).unwrap();
+        assert!(out.contains(r#""DefaultPriority":"SHEDDABLE""#), "{out}");
+        let e = parse_production_variants(
+            r#"[{"VariantName":"v1","RoutingConfig":{"DefaultPriority":"urgent"}}]"#,
+            "x",
+        )
+        .unwrap_err()
+        .0;
+        assert_eq!(
+            e,
+            r#"unknown DefaultPriority "urgent" for variant "v1" (expected CRITICAL, STANDARD, SHEDDABLE)"#
+        );
     }
 
     #[test]

@@ -6,7 +6,9 @@
 
 use std::collections::HashSet;
 
-use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy};
+use proto::{
+    PrefixAwareRoutingConfig, ProductionVariant, RequestPriority, RoutingConfig, RoutingStrategy,
+};
 
 pub use proto::limits::{
     CONCURRENCY_THRESHOLD_RANGE, DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH,
@@ -189,9 +191,24 @@ fn validate_routing_config(
     let prefix = prefix
         .map(|p| validate_prefix_config(&format!("{field}.prefix_aware_routing_config"), p))
         .transpose()?;
+    let priority = match RequestPriority::try_from(config.default_priority) {
+        Ok(RequestPriority::Unspecified) => RequestPriority::Standard,
+        Ok(p) => p,
+        Err(_) => {
+            return Err(InvalidField::new(
+                format!("{field}.default_priority"),
+                format!(
+                    "unknown priority {} (expected {})",
+                    config.default_priority,
+                    RequestPriority::USER_NAMES
+                ),
+            ))
+        }
+    };
     Ok(RoutingConfig {
         routing_strategy: strategy as i32,
         prefix_aware_routing_config: prefix,
+        default_priority: priority as i32,
     })
 }
 
@@ -266,9 +283,11 @@ mod tests {
         let mut v = variant("v1");
         v.routing_config = Some(RoutingConfig {
             routing_strategy: RoutingStrategy::PrefixAware as i32,
-            prefix_aware_routing_config: None,
+            ..Default::default()
         });
         let out = validate_variants(&[v, variant("v2")]).unwrap();
+        let rc = out[0].routing_config.unwrap();
+        assert_eq!(rc.default_priority, RequestPriority::Standard as i32);
         assert_eq!(out[0].initial_variant_weight, Some(1.0));
         assert_eq!(out[0].instances, vec!["http://127.0.0.1:9001".to_string()]);
         let p = out[0]
@@ -296,6 +315,7 @@ mod tests {
                 prefix_length: 10,
                 concurrency_threshold: 1,
             }),
+            ..Default::default()
         });
         let e = validate_variants(&[v]).unwrap_err();
         assert_eq!(
@@ -307,12 +327,28 @@ mod tests {
         let mut v = variant("v1");
         v.routing_config = Some(RoutingConfig {
             routing_strategy: 42,
-            prefix_aware_routing_config: None,
+            ..Default::default()
         });
         assert!(validate_variants(&[v])
             .unwrap_err()
             .to_string()
             .contains("unknown routing strategy 42"));
+
+        let mut v = variant("v1");
+        v.routing_config = Some(RoutingConfig {
+            default_priority: 9,
+            ..Default::default()
+        });
+        let e = validate_variants(&[v]).unwrap_err();
+        assert_eq!(
+            e.field,
+            "production_variants[0].routing_config.default_priority"
+        );
+        assert!(
+            e.to_string()
+                .contains("unknown priority 9 (expected CRITICAL, STANDARD, SHEDDABLE)"),
+            "{e}"
+        );
 
         let mut v = variant("v1");
         v.initial_variant_weight = Some(0.0);

@@ -36,6 +36,7 @@ fn wire_table(instances: usize, strategy: RoutingStrategy) -> proto::RoutingTabl
                         prefix_length: 2048,
                         concurrency_threshold: 64,
                     }),
+                    ..Default::default()
                 }),
                 instances: (0..instances)
                     .map(|i| {

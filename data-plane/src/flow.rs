@@ -78,11 +78,16 @@ impl Priority {
         }
     }
 
-    /// A request's priority: `x-prefix-router-priority` (default `standard`) capped by its
-    /// key's (`standard` for a key that names none; `None`: no keys, the header is trusted).
-    pub fn of(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<Priority, String> {
+    /// A request's priority: `x-prefix-router-priority` (default: `default`, its variant's
+    /// `default_priority`) capped by its key's (`standard` for a key that names none; `None`: no
+    /// keys, the header is trusted).
+    pub fn of(
+        headers: &HeaderMap,
+        key: Option<&KeyPolicy>,
+        default: Priority,
+    ) -> Result<Priority, String> {
         let asked = match headers.get(X_PRIORITY) {
-            None => Priority::Standard,
+            None => default,
             Some(v) => v.to_str().ok().and_then(Priority::parse).ok_or_else(|| {
                 format!(
                     "invalid {X_PRIORITY} {:?}: expected critical, standard or sheddable",
@@ -212,10 +217,14 @@ pub struct Who {
 impl Who {
     /// From the key's policy (`None`: no keys configured, the headers are trusted) and the
     /// headers: the key's tenant, else `x-prefix-router-tenant`, else `default`; the priority
-    /// header capped by the key's priority (`standard` for a key that names none). Errors name
-    /// the header and its value.
-    pub fn of(headers: &HeaderMap, key: Option<&KeyPolicy>) -> Result<Who, String> {
-        let priority = Priority::of(headers, key)?;
+    /// header (else the variant's `default_priority`) capped by the key's priority (`standard`
+    /// for a key that names none). Errors name the header and its value.
+    pub fn of(
+        headers: &HeaderMap,
+        key: Option<&KeyPolicy>,
+        default_priority: Priority,
+    ) -> Result<Who, String> {
+        let priority = Priority::of(headers, key, default_priority)?;
         let tenant = match (
             key.and_then(|k| k.tenant.clone()),
             tenant_header(headers, key)?,
@@ -1091,31 +1100,52 @@ mod tests {
         h.insert(X_TENANT, HeaderValue::from_static("spoofed"));
         // no keys: the headers are trusted
         assert_eq!(
-            Who::of(&h, None).unwrap(),
+            Who::of(&h, None, Priority::Standard).unwrap(),
             who("spoofed", Priority::Critical)
         );
         // a key without a priority may ask for standard at most; its tenant wins
         let key = KeyPolicy::parse(Some("tenant=batch")).unwrap();
         assert_eq!(
-            Who::of(&h, Some(&key)).unwrap(),
+            Who::of(&h, Some(&key), Priority::Standard).unwrap(),
             who("batch", Priority::Standard)
         );
         let key = KeyPolicy::parse(Some("priority=critical")).unwrap();
         assert_eq!(
-            Who::of(&h, Some(&key)).unwrap(),
+            Who::of(&h, Some(&key), Priority::Standard).unwrap(),
             who("spoofed", Priority::Critical)
         );
         h.insert(X_PRIORITY, HeaderValue::from_static("sheddable"));
         assert_eq!(
-            Who::of(&h, Some(&key)).unwrap().priority,
+            Who::of(&h, Some(&key), Priority::Standard)
+                .unwrap()
+                .priority,
             Priority::Sheddable
         );
         h.insert(X_PRIORITY, HeaderValue::from_static("high"));
-        let e = Who::of(&h, None).unwrap_err();
+        let e = Who::of(&h, None, Priority::Standard).unwrap_err();
         assert!(e.contains("x-prefix-router-priority \"high\""), "{e}");
         assert_eq!(
-            Who::of(&HeaderMap::new(), None).unwrap(),
+            Who::of(&HeaderMap::new(), None, Priority::Standard).unwrap(),
             who("default", Priority::Standard)
+        );
+        // a request that names no priority has its variant's default, capped by its key's
+        let none = HeaderMap::new();
+        assert_eq!(
+            Who::of(&none, None, Priority::Sheddable).unwrap().priority,
+            Priority::Sheddable
+        );
+        let plain = KeyPolicy::parse(Some("tenant=chat")).unwrap();
+        assert_eq!(
+            Who::of(&none, Some(&plain), Priority::Critical)
+                .unwrap()
+                .priority,
+            Priority::Standard
+        );
+        assert_eq!(
+            Who::of(&none, Some(&key), Priority::Critical)
+                .unwrap()
+                .priority,
+            Priority::Critical
         );
     }
 }

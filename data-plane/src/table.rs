@@ -11,6 +11,7 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::HeaderValue;
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::flow::Priority;
 use crate::load::{InstanceState, VariantLoad};
 use crate::route_stats::RouteStats;
 
@@ -45,6 +46,15 @@ pub enum TableError {
         proto::RoutingStrategy::USER_NAMES
     )]
     UnknownStrategy {
+        endpoint: String,
+        variant: String,
+        value: i32,
+    },
+    #[error(
+        "endpoint {endpoint:?} variant {variant:?}: unknown default_priority {value} (expected {})",
+        proto::RequestPriority::USER_NAMES
+    )]
+    UnknownPriority {
         endpoint: String,
         variant: String,
         value: i32,
@@ -185,6 +195,8 @@ pub struct Variant {
     model_name: Arc<str>,
     weight: f32,
     strategy: Strategy,
+    /// The priority of its requests that name none.
+    default_priority: Priority,
     instances: Box<[Instance]>,
     id_hashes: Box<[u64]>,
     /// Mixed into prefix-index keys so variants do not share entries.
@@ -205,6 +217,11 @@ impl Variant {
     }
     pub fn strategy(&self) -> Strategy {
         self.strategy
+    }
+    /// The priority of the variant's requests that name none (`default_priority` of its
+    /// routing config).
+    pub fn default_priority(&self) -> Priority {
+        self.default_priority
     }
     pub fn instances(&self) -> &[Instance] {
         &self.instances
@@ -346,6 +363,7 @@ impl RoutingTable {
                     });
                 }
                 let strategy = strategy(v, ctx)?;
+                let default_priority = default_priority(v, ctx)?;
                 let prev_variant = prev_endpoint.and_then(|p| p.variant(&v.variant_name));
                 let prev_instances: HashMap<&str, &Instance> = prev_variant
                     .map(|pv| pv.instances.iter().map(|i| (&*i.id, i)).collect())
@@ -445,6 +463,7 @@ impl RoutingTable {
                     model_name: v.model_name.as_str().into(),
                     weight: v.weight,
                     strategy,
+                    default_priority,
                     load: prev_variant.map(|pv| pv.load.clone()).unwrap_or_default(),
                     id_hashes,
                 });
@@ -483,6 +502,28 @@ fn no_control_chars(field: &'static str, value: &str) -> Result<(), TableError> 
         });
     }
     Ok(())
+}
+
+fn default_priority(
+    v: &proto::VariantRoutes,
+    ctx: impl Fn() -> (String, String),
+) -> Result<Priority, TableError> {
+    let raw = v.routing_config.as_ref().map_or(0, |c| c.default_priority);
+    match proto::RequestPriority::try_from(raw) {
+        Ok(proto::RequestPriority::Critical) => Ok(Priority::Critical),
+        Ok(proto::RequestPriority::Unspecified | proto::RequestPriority::Standard) => {
+            Ok(Priority::Standard)
+        }
+        Ok(proto::RequestPriority::Sheddable) => Ok(Priority::Sheddable),
+        Err(_) => {
+            let (endpoint, variant) = ctx();
+            Err(TableError::UnknownPriority {
+                endpoint,
+                variant,
+                value: raw,
+            })
+        }
+    }
 }
 
 fn strategy(
@@ -607,6 +648,7 @@ pub(crate) mod tests {
                     prefix_length: 1024,
                     concurrency_threshold: 8,
                 }),
+                ..Default::default()
             }),
             instances: addresses
                 .iter()
@@ -715,6 +757,10 @@ pub(crate) mod tests {
             (
                 Box::new(|t| t.endpoints[0].variants[0].routing_config.as_mut().unwrap().routing_strategy = 9),
                 "unknown routing strategy 9 (expected RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE)",
+            ),
+            (
+                Box::new(|t| t.endpoints[0].variants[0].routing_config.as_mut().unwrap().default_priority = 7),
+                "variant \"v1\": unknown default_priority 7 (expected CRITICAL, STANDARD, SHEDDABLE)",
             ),
             (
                 Box::new(|t| {

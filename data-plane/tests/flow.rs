@@ -513,6 +513,55 @@ async fn sheddable_requests_leave_a_quarter_of_each_instance_to_the_others() {
 }
 
 #[tokio::test]
+async fn a_variant_names_the_priority_of_requests_that_name_none() {
+    // a batch variant whose requests are sheddable unless they say otherwise
+    let cp = MockControlPlane::start().await;
+    let b = Backend::start_with("held", Behavior::Hold).await;
+    let batch = proto::RoutingConfig {
+        default_priority: proto::RequestPriority::Sheddable as i32,
+        ..strategy(RoutingStrategy::Random)
+    };
+    cp.push(simple_table(1, batch, &[b.url.as_str()]));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        instance_max_in_flight: 4,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/completions");
+    let unnamed: Vec<_> = (0..4)
+        .map(|i| spawn_post(&url, &[], body(&format!("batch-{i}"))))
+        .collect();
+    // sheddable: three of the four places, and the fourth waits as sheddable
+    wait_queued(&router, 1.0).await;
+    assert_eq!(
+        metric(&router, "prefix_router_queue_depth{", "sheddable").await,
+        1.0
+    );
+    wait_for("the instance holds three", WAIT, || async {
+        b.active() == 3
+    })
+    .await;
+    // a request that names its priority has it
+    let named = spawn_post(
+        &url,
+        &[("x-prefix-router-priority", "standard")],
+        body("named"),
+    );
+    wait_for("the instance holds four", WAIT, || async {
+        b.active() == 4
+    })
+    .await;
+    b.set(Behavior::Echo);
+    b.release();
+    assert_eq!(named.await.unwrap().status, 200);
+    for r in unnamed {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+}
+
+#[tokio::test]
 async fn a_router_that_shuts_down_answers_its_waiting_requests_503_and_finishes_the_rest() {
     let (_cp, b, mut router) = one_at_a_time(|_| {}).await;
     let url = router.url("/v1/completions");

@@ -471,6 +471,7 @@ fn wire_table() -> impl Strategy<Value = proto::RoutingTable> {
                     prefix_length,
                     concurrency_threshold,
                 }),
+                ..Default::default()
             })
         });
     let weight = prop_oneof![

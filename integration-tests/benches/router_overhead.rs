@@ -369,6 +369,7 @@ async fn main() -> anyhow::Result<()> {
                     prefix_length: 4096,
                     concurrency_threshold: 4096,
                 }),
+                ..Default::default()
             }),
             instances: vec![backend_url.clone()],
         }],

@@ -166,6 +166,7 @@ pub fn variant(name: &str, strategy: RoutingStrategy, instances: &[&str]) -> Pro
                     concurrency_threshold: 64,
                 },
             ),
+            ..Default::default()
         }),
         instances: instances.iter().map(|s| s.to_string()).collect(),
     }

@@ -57,10 +57,56 @@ impl RoutingStrategy {
     pub const USER_NAMES: &'static str = "RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE";
 }
 
+impl RequestPriority {
+    /// The name users type (`CRITICAL`, `STANDARD`, `SHEDDABLE`; unset is `STANDARD`).
+    pub fn user_name(self) -> &'static str {
+        match self {
+            RequestPriority::Critical => "CRITICAL",
+            RequestPriority::Unspecified | RequestPriority::Standard => "STANDARD",
+            RequestPriority::Sheddable => "SHEDDABLE",
+        }
+    }
+
+    /// Parses a user-typed name, in any case (the header's `critical` too); accepts the proto
+    /// names.
+    pub fn from_user_name(name: &str) -> Option<Self> {
+        let name = name.trim().to_ascii_uppercase();
+        match name.strip_prefix("REQUEST_PRIORITY_").unwrap_or(&name) {
+            "CRITICAL" => Some(RequestPriority::Critical),
+            "STANDARD" => Some(RequestPriority::Standard),
+            "SHEDDABLE" => Some(RequestPriority::Sheddable),
+            _ => None,
+        }
+    }
+
+    /// Every user-typed name, for error messages.
+    pub const USER_NAMES: &'static str = "CRITICAL, STANDARD, SHEDDABLE";
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use prost::Message;
+
+    #[test]
+    fn priority_names_round_trip() {
+        for p in [
+            RequestPriority::Critical,
+            RequestPriority::Standard,
+            RequestPriority::Sheddable,
+        ] {
+            assert_eq!(RequestPriority::from_user_name(p.user_name()), Some(p));
+        }
+        assert_eq!(
+            RequestPriority::from_user_name("sheddable"),
+            Some(RequestPriority::Sheddable)
+        );
+        assert_eq!(
+            RequestPriority::from_user_name("REQUEST_PRIORITY_CRITICAL"),
+            Some(RequestPriority::Critical)
+        );
+        assert_eq!(RequestPriority::from_user_name("urgent"), None);
+    }
 
     #[test]
     fn strategy_names_round_trip() {

@@ -280,6 +280,7 @@ impl Fleet {
                     prefix_length: self.spec.prefix_length,
                     concurrency_threshold: self.spec.concurrency_threshold,
                 }),
+                ..Default::default()
             }),
             instances: self
                 .active

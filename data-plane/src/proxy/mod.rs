@@ -452,7 +452,7 @@ impl Router {
     ) -> Result<Waited, Response<ResponseBody>> {
         let v = route.variant;
         let bad = |msg: String| self.unrouted(Some(table), 400, &msg, "invalid_request_error");
-        let priority = Priority::of(headers, key).map_err(bad)?;
+        let priority = Priority::of(headers, key, v.default_priority()).map_err(bad)?;
         // the other flow headers too, so that a bad one is refused whether or not it would wait
         crate::flow::tenant_header(headers, key).map_err(bad)?;
         let timeout = self.flow.timeout(headers).map_err(bad)?;
@@ -467,7 +467,7 @@ impl Router {
             }
             return Ok(Waited::Placed(requeued));
         }
-        let who = Who::of(headers, key).map_err(bad)?;
+        let who = Who::of(headers, key, v.default_priority()).map_err(bad)?;
         let start = requeued.unwrap_or_else(std::time::Instant::now);
         let until = (tokio::time::Instant::from_std(start) + timeout).min(deadline.deadline());
         if until <= tokio::time::Instant::now() {

@@ -195,6 +195,7 @@ pub fn prefix_aware(prefix_length: u32, concurrency_threshold: u32) -> RoutingCo
             prefix_length,
             concurrency_threshold,
         }),
+        ..Default::default()
     }
 }
 
@@ -202,6 +203,7 @@ pub fn strategy(s: RoutingStrategy) -> RoutingConfig {
     RoutingConfig {
         routing_strategy: s as i32,
         prefix_aware_routing_config: None,
+        ..Default::default()
     }
 }
 

@@ -84,6 +84,20 @@ def test_every_call_with_sagemaker_shapes(control_plane):
     assert c.delete_endpoint_config(endpoint_config_name="chat") == {}
 
 
+def test_a_variant_names_the_priority_of_requests_that_name_none(control_plane):
+    c = prefix_router.Client(control_plane.url)
+    doc = json.loads(VARIANTS)
+    doc[0]["RoutingConfig"]["DefaultPriority"] = "sheddable"
+    created = c.create_endpoint_config(endpoint_config_name="batch", production_variants=doc)
+    assert created["ProductionVariants"][0]["RoutingConfig"]["DefaultPriority"] == "SHEDDABLE"
+    # unset is STANDARD, as the control plane stores it
+    plain = c.create_endpoint_config(endpoint_config_name="plain", production_variants=VARIANTS)
+    assert plain["ProductionVariants"][0]["RoutingConfig"]["DefaultPriority"] == "STANDARD"
+    doc[0]["RoutingConfig"]["DefaultPriority"] = "urgent"
+    with pytest.raises(ValueError, match=r"unknown DefaultPriority 'urgent'.*\(expected CRITICAL, STANDARD, SHEDDABLE\)"):
+        c.create_endpoint_config(endpoint_config_name="bad", production_variants=doc)
+
+
 def test_errors_name_the_grpc_code(control_plane):
     c = prefix_router.Client(control_plane.url)
     with pytest.raises(errors.NotFoundError) as e:

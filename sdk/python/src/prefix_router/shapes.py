@@ -20,6 +20,8 @@ from ._proto import prefixrouter_pb2 as pb
 STRATEGY_PREFIX = "ROUTING_STRATEGY_"
 #: The strategy names users type.
 STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
+PRIORITY_PREFIX = "REQUEST_PRIORITY_"
+PRIORITIES = ("CRITICAL", "STANDARD", "SHEDDABLE")
 
 
 def pascal(name: str) -> str:
@@ -32,29 +34,50 @@ def snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
-def strategy_name(value: int) -> str:
-    """The user name of a wire strategy value (`UNKNOWN(n)` for a value this SDK does not know)."""
+def _user_name(enum, prefix: str, unset: str, value: int) -> str:
+    """The user name of a wire enum value (`unset` for 0; `UNKNOWN(n)` for a value this SDK does
+    not know)."""
     try:
-        name = pb.RoutingStrategy.Name(value)
+        name = enum.Name(value)
     except ValueError:
         return f"UNKNOWN({value})"
-    if name == "ROUTING_STRATEGY_UNSPECIFIED":
-        return "RANDOM"
-    return name[len(STRATEGY_PREFIX):]
+    if name == prefix + "UNSPECIFIED":
+        return unset
+    return name[len(prefix):]
+
+
+def _parse_name(enum, prefix: str, names: tuple, what: str, name, variant: str) -> int:
+    """A user-typed enum name (any case, or the proto name) to its wire value; ValueError names
+    `what`, the value and the choices."""
+    if isinstance(name, int) and not isinstance(name, bool) and name in enum.values():
+        return name
+    text = name.strip().upper() if isinstance(name, str) else ""
+    short = text[len(prefix):] if text.startswith(prefix) else text
+    if short not in names:
+        where = f" for variant {variant!r}" if variant else ""
+        raise ValueError(f"unknown {what} {name!r}{where} (expected {', '.join(names)})")
+    return enum.Value(prefix + short)
+
+
+def strategy_name(value: int) -> str:
+    """The user name of a wire strategy value (`UNKNOWN(n)` for a value this SDK does not know)."""
+    return _user_name(pb.RoutingStrategy, STRATEGY_PREFIX, "RANDOM", value)
 
 
 def parse_strategy(name, variant: str = "") -> int:
     """A user-typed strategy name (or the proto name) to its wire value; ValueError names it."""
-    if isinstance(name, int) and not isinstance(name, bool) and name in pb.RoutingStrategy.values():
-        return name
-    text = name.strip().upper() if isinstance(name, str) else ""
-    short = text[len(STRATEGY_PREFIX):] if text.startswith(STRATEGY_PREFIX) else text
-    if short not in STRATEGIES:
-        where = f" for variant {variant!r}" if variant else ""
-        raise ValueError(
-            f"unknown routing strategy {name!r}{where} (expected {', '.join(STRATEGIES)})"
-        )
-    return pb.RoutingStrategy.Value(STRATEGY_PREFIX + short)
+    return _parse_name(pb.RoutingStrategy, STRATEGY_PREFIX, STRATEGIES, "routing strategy", name, variant)
+
+
+def priority_name(value: int) -> str:
+    """The user name of a wire priority value (unset is STANDARD)."""
+    return _user_name(pb.RequestPriority, PRIORITY_PREFIX, "STANDARD", value)
+
+
+def parse_priority(name, variant: str = "") -> int:
+    """A user-typed priority name (any case, or the proto name) to its wire value; ValueError
+    names it."""
+    return _parse_name(pb.RequestPriority, PRIORITY_PREFIX, PRIORITIES, "DefaultPriority", name, variant)
 
 
 def to_dict(message: Message) -> dict:
@@ -80,6 +103,8 @@ def _value(field, value):
         return to_dict(value)
     if field.type == FieldDescriptor.TYPE_ENUM and field.enum_type.name == "RoutingStrategy":
         return strategy_name(value)
+    if field.type == FieldDescriptor.TYPE_ENUM and field.enum_type.name == "RequestPriority":
+        return priority_name(value)
     return value
 
 
@@ -116,7 +141,10 @@ def from_dict(doc: dict, message_type, where: str = ""):
 
 def _scalar(field, value, path, doc):
     if field.type == FieldDescriptor.TYPE_ENUM:
-        return parse_strategy(value, doc.get("VariantName", "") if isinstance(doc, dict) else "")
+        variant = doc.get("VariantName", "") if isinstance(doc, dict) else ""
+        if field.enum_type.name == "RequestPriority":
+            return parse_priority(value, variant)
+        return parse_strategy(value, variant)
     if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path} must be a number, got {value!r}")

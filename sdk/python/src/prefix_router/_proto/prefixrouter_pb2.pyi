@@ -13,10 +13,21 @@ class RoutingStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROUTING_STRATEGY_RANDOM: _ClassVar[RoutingStrategy]
     ROUTING_STRATEGY_LEAST_OUTSTANDING_REQUESTS: _ClassVar[RoutingStrategy]
     ROUTING_STRATEGY_PREFIX_AWARE: _ClassVar[RoutingStrategy]
+
+class RequestPriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_PRIORITY_UNSPECIFIED: _ClassVar[RequestPriority]
+    REQUEST_PRIORITY_CRITICAL: _ClassVar[RequestPriority]
+    REQUEST_PRIORITY_STANDARD: _ClassVar[RequestPriority]
+    REQUEST_PRIORITY_SHEDDABLE: _ClassVar[RequestPriority]
 ROUTING_STRATEGY_UNSPECIFIED: RoutingStrategy
 ROUTING_STRATEGY_RANDOM: RoutingStrategy
 ROUTING_STRATEGY_LEAST_OUTSTANDING_REQUESTS: RoutingStrategy
 ROUTING_STRATEGY_PREFIX_AWARE: RoutingStrategy
+REQUEST_PRIORITY_UNSPECIFIED: RequestPriority
+REQUEST_PRIORITY_CRITICAL: RequestPriority
+REQUEST_PRIORITY_STANDARD: RequestPriority
+REQUEST_PRIORITY_SHEDDABLE: RequestPriority
 
 class PrefixAwareRoutingConfig(_message.Message):
     __slots__ = ("prefix_length", "concurrency_threshold")
@@ -27,12 +38,14 @@ class PrefixAwareRoutingConfig(_message.Message):
     def __init__(self, prefix_length: _Optional[int] = ..., concurrency_threshold: _Optional[int] = ...) -> None: ...
 
 class RoutingConfig(_message.Message):
-    __slots__ = ("routing_strategy", "prefix_aware_routing_config")
+    __slots__ = ("routing_strategy", "prefix_aware_routing_config", "default_priority")
     ROUTING_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_AWARE_ROUTING_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     routing_strategy: RoutingStrategy
     prefix_aware_routing_config: PrefixAwareRoutingConfig
-    def __init__(self, routing_strategy: _Optional[_Union[RoutingStrategy, str]] = ..., prefix_aware_routing_config: _Optional[_Union[PrefixAwareRoutingConfig, _Mapping]] = ...) -> None: ...
+    default_priority: RequestPriority
+    def __init__(self, routing_strategy: _Optional[_Union[RoutingStrategy, str]] = ..., prefix_aware_routing_config: _Optional[_Union[PrefixAwareRoutingConfig, _Mapping]] = ..., default_priority: _Optional[_Union[RequestPriority, str]] = ...) -> None: ...
 
 class ProductionVariant(_message.Message):
     __slots__ = ("variant_name", "model_name", "initial_variant_weight", "routing_config", "instances")
