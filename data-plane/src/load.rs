@@ -3,7 +3,7 @@
 //! These structs live behind `Arc`s keyed by instance id; a new routing table reuses the ones of
 //! instances that are still there, so in-flight counts and ejections survive a table swap.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -251,10 +251,16 @@ pub struct Homes {
     held: ArcSwap<Vec<(u64, u32)>>,
     /// The reused keys the last pass counted (sorted).
     reused: ArcSwap<Vec<u64>>,
+    /// The hot keys the last pass gave room for their copies (sorted).
+    copied: ArcSwap<Vec<u64>>,
     /// The most reused keys an instance's cache was seen to hold (0: no instance overflowed).
     capacity: AtomicU32,
     /// Passes since an instance last overflowed.
     calm: AtomicU32,
+    /// A pass after the router's first has run (see [`Homes::spreads`]).
+    proven: AtomicBool,
+    /// The variant gate's closings the last pass had seen.
+    closings_seen: AtomicU64,
 }
 
 /// One key's home: the instance's index in the variant when the home was assigned, and its id
@@ -294,8 +300,11 @@ impl Default for Homes {
             assignment: ArcSwap::from_pointee(Vec::new()),
             held: ArcSwap::from_pointee(Vec::new()),
             reused: ArcSwap::from_pointee(Vec::new()),
+            copied: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
+            proven: AtomicBool::new(false),
+            closings_seen: AtomicU64::new(0),
         }
     }
 }
@@ -378,6 +387,18 @@ impl Homes {
         self.reused.load().binary_search(&key).is_ok()
     }
 
+    /// The last pass gave room for `key`'s copies (a hot key spread over its replicas).
+    #[inline]
+    pub fn is_copied(&self, key: u64) -> bool {
+        self.copied.load().binary_search(&key).is_ok()
+    }
+
+    /// Replaces the keys given room for copies; `keys` must be sorted.
+    pub fn store_copied(&self, keys: Vec<u64>) {
+        debug_assert!(keys.windows(2).all(|w| w[0] < w[1]));
+        self.copied.store(Arc::new(keys));
+    }
+
     /// Replaces the counted keys; `keys` must be sorted.
     pub fn store_reused(&self, keys: Vec<u64>) {
         debug_assert!(keys.windows(2).all(|w| w[0] < w[1]));
@@ -397,6 +418,30 @@ impl Homes {
 
     pub fn calm(&self) -> u32 {
         self.calm.load(Relaxed)
+    }
+
+    /// Whether a hot key may have the copies its share asks for: from the router's second pass
+    /// on (its first places keys before any engine has reported on them, and an overflow that
+    /// placement causes is a bound by the next). Until then a hot key gets only as many places
+    /// as its load needs ([`crate::placement::Tuning::least_replicas`]). Under a bound the
+    /// copies take only the room it leaves.
+    #[inline]
+    pub fn spreads(&self) -> bool {
+        self.proven.load(Relaxed) || self.capacity().is_some()
+    }
+
+    /// Whether a pass after the router's first has run.
+    pub fn proven(&self) -> bool {
+        self.proven.load(Relaxed)
+    }
+
+    /// Records the variant gate's closings a pass has seen; true when there are new ones.
+    pub fn take_closings(&self, closings: u64) -> bool {
+        self.closings_seen.swap(closings, Relaxed) < closings
+    }
+
+    pub fn store_proven(&self, proven: bool) {
+        self.proven.store(proven, Relaxed);
     }
 }
 

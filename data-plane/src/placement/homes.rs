@@ -43,6 +43,22 @@
 //! documents, counting alone gave 3/1/3/2 and the two with 3 thrashed (hit 84%); with the
 //! bound, 2/2/2/2 and 93.8% (the workload's ceiling 94.1%).
 //!
+//! A hot key's copies wait for the engines too. A router's first pass has no report from them
+//! yet: it gives a hot key only as many places as its load needs ([`Tuning::least_replicas`]),
+//! not the many its share asks for ([`Tuning::replicas`]), and a cache that overflows even so is
+//! a bound by the next pass (which copies then respect). With copies by share at once, 4
+//! routers on llama-servers whose caches held 2 of 8 documents each gave every instance 6-7 of
+//! them, and the caches thrashed for the 17-21 s it took each router to see its own evidence.
+//! (Waiting for a pass whose reports showed no overflow at all left engine-sim's long-context
+//! fleet, where some instance's few revisits since a pass always miss a little, without copies:
+//! one instance 3.6 points over its share.)
+//!
+//! Under a bound, only the keys a pass gave room for their copies are spread between passes: a
+//! key the pass counted as not hot (or did not count) that this router's estimate later calls
+//! hot stays in its one place, as it does on the routers whose estimates did not move (4 routers
+//! on llama-servers whose caches held 2 of 8 documents spread such keys, each its own, and every
+//! copy evicted a document another router had placed).
+//!
 //! A home is not a copy: the key leaves its top choice for the home, once. Its revisits there
 //! are held to the engines' reports like plain hashing's (until a bound is known, relief moves
 //! keys off a home whose cache still overflows).
@@ -66,6 +82,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     if n < 2 || total <= 0.0 {
         homes.store(Vec::new());
         homes.store_reused(Vec::new());
+        homes.store_copied(Vec::new());
         return;
     }
     let rates = load.key_rates();
@@ -89,7 +106,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     keys.dedup_by_key(|&mut (_, k)| k);
     let cap = learn_capacity(v, keys.len(), t);
     let room = |held: &[u32], i: usize| cap.is_none_or(|c| held[i] < c);
-    let spread = load.feedback().allows(Rule::HotReplica, now_ms());
+    let spread = homes.spreads() && load.feedback().allows(Rule::HotReplica, now_ms());
     let replicas = |s: f64| {
         if spread {
             t.replicas(s, n)
@@ -123,6 +140,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     let mut held = vec![0u32; n];
     let slack = (t.home_slack * keys.len() as f64 / n as f64).max(1.0);
     let mut out = Vec::new();
+    let mut copied = Vec::new();
     let mut first = Vec::with_capacity(t.home_choices.max(1));
     for (i, &(_, key)) in keys.iter().enumerate() {
         let r = wanted[i];
@@ -140,6 +158,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
             if copies[i] && first.iter().all(|&j| room(&held, j)) {
                 // spread over replicas: it takes room in each
                 first.iter().for_each(|&i| held[i] += 1);
+                copied.push(key);
                 continue;
             }
             // The caches have no room for its copies: one instance, the first of its ranking
@@ -203,6 +222,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     );
     homes.store_held(hashes.iter().copied().zip(held).collect());
     homes.store_reused(keys.iter().map(|&(_, k)| k).collect());
+    homes.store_copied(copied);
     homes.store(out);
 }
 
@@ -223,7 +243,9 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
 /// the hot keys lost their replicas.) An instance that overflows at an even spread teaches nothing: counting cannot
 /// help it (and relief stands down while a bound is known). After
 /// [`Tuning::home_probe_passes`] passes with no overflow the bound rises by one, and is forgotten
-/// once no instance reaches it.
+/// once no instance reaches it. Copies' revisits count too, but only after the variant's
+/// revisits missed following a pass that spread copies (see
+/// [`crate::feedback::InstanceCache::take_copy_miss_rate`]).
 pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
     let homes = v.load().homes();
     let hashes = v.id_hashes();
@@ -238,10 +260,20 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
     };
     let mut cap = homes.capacity();
     let mut overflowed = false;
+    // A pass that spread copies (its instances held more keys than there are, a copy counting
+    // as a key on each of its instances), after which the variant's revisits missed whatever
+    // placed them: the copies' own revisits also say how many keys each cache holds (see
+    // [`crate::feedback::InstanceCache::take_copy_miss_rate`]).
+    let copies_overflowed = homes.take_closings(v.load().feedback().variant().closings())
+        && last.iter().map(|x| x.1 as usize).sum::<usize>() > reused;
     for (i, instance) in v.instances().iter().enumerate() {
         let cache = instance.state().cache();
-        let Some(missed) = cache
-            .take_miss_rate()
+        let plain = cache.take_miss_rate();
+        let copies = cache.take_copy_miss_rate().filter(|_| copies_overflowed);
+        let Some(missed) = plain
+            .into_iter()
+            .chain(copies)
+            .reduce(f64::max)
             .filter(|&m| m > t.feedback.miss_limit)
         else {
             continue;
@@ -261,5 +293,8 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
         cap = cap.filter(|&c| c <= most).map(|c| c + 1);
     }
     homes.store_capacity(cap, calm);
+    // Copies by share wait for the second pass: the first places keys before any engine has
+    // reported on them, and an overflow it causes is a bound by the next (see the module doc).
+    homes.store_proven(homes.proven() || !last.is_empty());
     cap.map(|c| c.max(even))
 }

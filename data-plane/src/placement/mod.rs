@@ -28,9 +28,11 @@
 //!   to the variant ([`crate::load::KeyRates`]), every key's share. A key with share `s` of n
 //!   instances is hot when `s * n >= hot_share`; it is served by its first
 //!   [`Tuning::replicas`] instances in rendezvous order, each request going to the one this
-//!   router sent the fewest recent requests. The copies cost cache, so the rule is held to its
-//!   revisits; while they miss, a hot key gets only [`Tuning::least_replicas`] (`ceil(s * n)`:
-//!   a key with more traffic than one instance's share still cannot stay on one).
+//!   router sent the fewest recent requests. The copies cost cache, so the rule waits for a
+//!   router's second homes pass (its first has no report from the engines, and an overflow it
+//!   causes is a bound by the next) and is held to its revisits; until then and while they miss, a
+//!   hot key gets only [`Tuning::least_replicas`] (`ceil(s * n)`: a key with more traffic than
+//!   one instance's share still cannot stay on one).
 //! - **Deepened heads** (queueing): a hot head-only chat key (a system prompt longer than
 //!   `prefix_length`, shared by every conversation on it) is keyed by its conversation instead
 //!   ([`crate::prompt::deep_prompt_key`]); a first turn takes the less loaded of its first two

@@ -114,12 +114,19 @@ impl Placement {
         let key_share = share(v, key, t.min_window);
         // A reused key's home (see [`super::homes`]): a hot key has one only where the caches
         // have no room for its copies.
-        let home = v.load().homes().get(key).and_then(|h| h.locate(hashes));
-        // A hot key gets replicas by its share while they pay, else only as many as its load
-        // needs (a key with more traffic than one instance's share cannot stay on one).
+        let homes = v.load().homes();
+        let home = homes.get(key).and_then(|h| h.locate(hashes));
+        // A hot key gets replicas by its share once the engines showed room for them and while
+        // they pay, else only as many as its load needs (a key with more traffic than one
+        // instance's share cannot stay on one).
         let r = if home.is_some() {
             1
-        } else if feedback.allows(Rule::HotReplica, now) {
+        } else if homes.capacity().is_some() && !homes.is_copied(key) {
+            // Under a bound, copies only where the last pass gave them room (see
+            // [`super::homes`]): this router's estimate of the key may have moved since, other
+            // routers' not.
+            1
+        } else if homes.spreads() && feedback.allows(Rule::HotReplica, now) {
             t.replicas(key_share, hashes.len())
         } else {
             t.least_replicas(key_share, hashes.len())
@@ -172,9 +179,7 @@ impl Placement {
             // (Once the homes pass knows how many keys a cache holds it places by that bound,
             // the same on every router, and relief stands down: its moves, each router's own,
             // broke the agreed homes and overflowed the instances they went to.)
-            if instances[first].state().cache().relieves(key)
-                && v.load().homes().capacity().is_none()
-            {
+            if instances[first].state().cache().relieves(key) && homes.capacity().is_none() {
                 let room =
                     |j: usize| j != first && instances[j].state().cache().has_room() && ok(j);
                 let index_key = key ^ v.salt();
