@@ -116,9 +116,10 @@ impl Placement {
         // have no room for its copies.
         let homes = v.load().homes();
         let home = homes.get(key).and_then(|h| h.locate(hashes));
-        // A hot key gets replicas by its share once the engines showed room for them and while
-        // they pay, else only as many as its load needs (a key with more traffic than one
-        // instance's share cannot stay on one).
+        // A hot key gets replicas by its share from the router's second homes pass on (its
+        // first has no report from the engines yet) and while they pay, else only as many as
+        // its load needs (a key with more traffic than one instance's share cannot stay on
+        // one).
         let r = if home.is_some() {
             1
         } else if homes.capacity().is_some() && !homes.is_copied(key) {
