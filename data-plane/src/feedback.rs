@@ -266,13 +266,41 @@ pub struct InstanceCache {
     hitting: AtomicBool,
     /// Revisits of reused keys and their misses since the homes pass last took them (see
     /// [`InstanceCache::take_miss_rate`]).
-    sampled: AtomicU32,
-    sampled_misses: AtomicU32,
+    plain: Sample,
     /// The same for the revisits of copies (placed by rules that spend cache), apart: they are
     /// evidence only once the variant's revisits miss (see
     /// [`InstanceCache::take_copy_miss_rate`]).
-    copies: AtomicU32,
-    copies_misses: AtomicU32,
+    copies: Sample,
+}
+
+/// Revisits and their misses since a verdict last took them.
+#[derive(Debug, Default)]
+struct Sample {
+    revisits: AtomicU32,
+    misses: AtomicU32,
+}
+
+impl Sample {
+    /// Counts one revisit; true when this one completes a first [`MIN_SAMPLE`] whose misses
+    /// already pass the limit (once per sample).
+    fn add(&self, miss: bool, t: &FeedbackTuning) -> bool {
+        let revisits = self.revisits.fetch_add(1, Relaxed) + 1;
+        let misses = match miss {
+            true => self.misses.fetch_add(1, Relaxed) + 1,
+            false => self.misses.load(Relaxed),
+        };
+        revisits == MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(revisits)
+    }
+
+    /// The share that missed (`None`: fewer than [`MIN_SAMPLE`] yet; they are kept).
+    fn take(&self) -> Option<f64> {
+        if self.revisits.load(Relaxed) < MIN_SAMPLE {
+            return None;
+        }
+        let revisits = self.revisits.swap(0, Relaxed);
+        let misses = self.misses.swap(0, Relaxed);
+        Some(f64::from(misses) / f64::from(revisits.max(1)))
+    }
 }
 
 impl Default for InstanceCache {
@@ -280,10 +308,8 @@ impl Default for InstanceCache {
         InstanceCache {
             gate: Gate::default(),
             hitting: AtomicBool::new(true),
-            sampled: AtomicU32::new(0),
-            sampled_misses: AtomicU32::new(0),
-            copies: AtomicU32::new(0),
-            copies_misses: AtomicU32::new(0),
+            plain: Sample::default(),
+            copies: Sample::default(),
         }
     }
 }
@@ -306,12 +332,7 @@ impl InstanceCache {
     /// traffic fills a gate's window four times slower; the homes pass, which asks once per
     /// half-window, needs a verdict soon.
     pub fn take_miss_rate(&self) -> Option<f64> {
-        if self.sampled.load(Relaxed) < MIN_SAMPLE {
-            return None;
-        }
-        let revisits = self.sampled.swap(0, Relaxed);
-        let misses = self.sampled_misses.swap(0, Relaxed);
-        Some(f64::from(misses) / f64::from(revisits.max(1)))
+        self.plain.take()
     }
 
     /// The same for the reused keys' revisits placed by rules that spend cache (a hot key's
@@ -322,36 +343,20 @@ impl InstanceCache {
     /// instance kept 3 for good, 94.4% hit against 100%); where copies fit (engine-sim's
     /// long-context fleet) their few misses are no bound.
     pub fn take_copy_miss_rate(&self) -> Option<f64> {
-        if self.copies.load(Relaxed) < MIN_SAMPLE {
-            return None;
-        }
-        let revisits = self.copies.swap(0, Relaxed);
-        let misses = self.copies_misses.swap(0, Relaxed);
-        Some(f64::from(misses) / f64::from(revisits.max(1)))
+        self.copies.take()
     }
 
     /// Samples a reused key's revisit placed by a rule that spends cache.
-    fn sample_copy(&self, miss: bool) {
-        self.copies.fetch_add(1, Relaxed);
-        if miss {
-            self.copies_misses.fetch_add(1, Relaxed);
-        }
+    fn sample_copy(&self, miss: bool, t: &FeedbackTuning) {
+        // (a copies' overflow asks for no pass: the variant's gate closing does)
+        let _ = self.copies.add(miss, t);
     }
 
     /// Learns from a revisit placed by a rule that does not spend cache (`reused`: of a key the
     /// homes pass counted); true when the reused keys' revisits since the last
     /// [`InstanceCache::take_miss_rate`] verdict already say the cache overflows (once per sample).
     fn learn(&self, miss: bool, reused: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
-        let mut overflows = false;
-        if reused {
-            let sampled = self.sampled.fetch_add(1, Relaxed) + 1;
-            let misses = match miss {
-                true => self.sampled_misses.fetch_add(1, Relaxed) + 1,
-                false => self.sampled_misses.load(Relaxed),
-            };
-            overflows =
-                sampled == MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(sampled);
-        }
+        let overflows = reused && self.plain.add(miss, t);
         let t = FeedbackTuning {
             strike_interval_ms: t.relief_interval_ms,
             ..*t
@@ -403,7 +408,7 @@ impl Feedback {
             self.pass_due.store(true, Relaxed);
         }
         if rule.spends_cache() && reused {
-            instance.sample_copy(miss);
+            instance.sample_copy(miss, t);
         }
         // A rule that spends cache closing changes what the homes pass may place (a hot key's
         // copies, see `placement::homes`): the pass runs again now, not at the next half-window

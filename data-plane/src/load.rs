@@ -258,7 +258,7 @@ pub struct Homes {
     /// Passes since an instance last overflowed.
     calm: AtomicU32,
     /// A pass after the router's first has run (see [`Homes::spreads`]).
-    proven: AtomicBool,
+    past_first_pass: AtomicBool,
     /// The variant gate's closings the last pass had seen.
     closings_seen: AtomicU64,
 }
@@ -303,7 +303,7 @@ impl Default for Homes {
             copied: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
-            proven: AtomicBool::new(false),
+            past_first_pass: AtomicBool::new(false),
             closings_seen: AtomicU64::new(0),
         }
     }
@@ -427,12 +427,12 @@ impl Homes {
     /// copies take only the room it leaves.
     #[inline]
     pub fn spreads(&self) -> bool {
-        self.proven.load(Relaxed) || self.capacity().is_some()
+        self.past_first_pass.load(Relaxed) || self.capacity().is_some()
     }
 
     /// Whether a pass after the router's first has run.
-    pub fn proven(&self) -> bool {
-        self.proven.load(Relaxed)
+    pub fn past_first_pass(&self) -> bool {
+        self.past_first_pass.load(Relaxed)
     }
 
     /// Records the variant gate's closings a pass has seen; true when there are new ones.
@@ -440,8 +440,8 @@ impl Homes {
         self.closings_seen.swap(closings, Relaxed) < closings
     }
 
-    pub fn store_proven(&self, proven: bool) {
-        self.proven.store(proven, Relaxed);
+    pub fn store_past_first_pass(&self, past: bool) {
+        self.past_first_pass.store(past, Relaxed);
     }
 }
 

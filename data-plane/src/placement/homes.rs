@@ -295,6 +295,6 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
     homes.store_capacity(cap, calm);
     // Copies by share wait for the second pass: the first places keys before any engine has
     // reported on them, and an overflow it causes is a bound by the next (see the module doc).
-    homes.store_proven(homes.proven() || !last.is_empty());
+    homes.store_past_first_pass(homes.past_first_pass() || !last.is_empty());
     cap.map(|c| c.max(even))
 }
