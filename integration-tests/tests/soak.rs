@@ -8,6 +8,8 @@
 //!
 //! `cargo test -p integration-tests --test soak` runs a short version (8,000 requests, about 10 s);
 //! `cargo test -p integration-tests --test soak -- --ignored --nocapture` the long one (100,000).
+//! `overload_short` / `overload_long` (10,000 / 100,000 requests) keep one router over capacity
+//! for the whole run: flow control's queue, deadlines and refusals, accounted for the same way.
 
 mod fleet;
 
@@ -403,6 +405,257 @@ async fn soak(total: u64) {
             s.0.last().map_or(0.0, |p| p.2),
         );
     }
+}
+
+/// Refusals by reason, from one router's `/metrics`.
+fn refusals(text: &str) -> BTreeMap<String, f64> {
+    flow_control_reasons()
+        .iter()
+        .map(|r| {
+            let n = fleet::metric(text, "prefix_router_queue_refusals_total", &[("reason", r)]);
+            (r.to_string(), n)
+        })
+        .filter(|(_, n)| *n != 0.0)
+        .collect()
+}
+
+fn flow_control_reasons() -> [&'static str; 6] {
+    data_plane::flow::Refused::ALL.map(|r| r.as_str())
+}
+
+/// The `q` quantile of `d` (0 when empty).
+fn quantile_of(d: &mut [Duration], q: f64) -> Duration {
+    if d.is_empty() {
+        return Duration::ZERO;
+    }
+    d.sort();
+    d[((d.len() - 1) as f64 * q).round() as usize]
+}
+
+/// `workers` clients sending `total` requests to router 0 as soon as each is answered, except
+/// that a client refused for a full queue (503) waits 50 ms first, as a client told to come
+/// back later would (without, the refused few would resend thousands of times a second).
+async fn clients_backing_off(fleet: &Fleet, workers: usize, total: u64) -> Vec<Outcome> {
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let router = fleet.router_url(0);
+    let started = Instant::now();
+    let plan = plan();
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let (http, router, sent, plan) = (
+                fleet.http.clone(),
+                router.clone(),
+                Arc::clone(&sent),
+                Arc::clone(&plan),
+            );
+            tokio::spawn(async move {
+                let mut outcomes = Vec::new();
+                loop {
+                    let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if n >= total {
+                        return outcomes;
+                    }
+                    let req = plan(n);
+                    let t0 = Instant::now();
+                    let (kind, instance) = fleet::chat(&http, &router, &req).await;
+                    let full = matches!(kind, Kind::Error(503, _));
+                    outcomes.push(Outcome {
+                        req,
+                        router: 0,
+                        started: t0 - started,
+                        latency: t0.elapsed(),
+                        kind,
+                        instance,
+                        attempts: 1,
+                    });
+                    if full {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("a client does not panic"));
+    }
+    all
+}
+
+/// Flow control under a sustained overload: one router, 2 engines, 2 places each, 64 clients
+/// that send again as soon as they are answered ([`clients_backing_off`]). Requests wait (at
+/// most `--max-queued` 48) and are served, refused at their queue deadline (429), or refused at
+/// once when the queue is full (503). Every request accounted for by status and by refusal
+/// reason, no 429 before or long after its deadline, nothing left queued or in flight
+/// afterwards; the router's RSS is sampled every second and its slope after warm-up reported
+/// with the deadline lateness.
+async fn overload(total: u64) {
+    const TIMEOUT: Duration = Duration::from_millis(100);
+    let fleet = Fleet::start(Spec {
+        engines: 2,
+        routers: 1,
+        strategy: RoutingStrategy::PrefixAware,
+        // ttft 1.2 ms, 0.5 ms per token
+        engine_args: vec!["--time-scale", "0.02"],
+        router_args: fleet::args(&[
+            "--workers",
+            "1",
+            "--queue-timeout-ms",
+            "100",
+            "--max-queued",
+            "48",
+        ]),
+    })
+    .await;
+    // Two requests in flight per instance: 4 places for 64 clients.
+    let urls: Vec<String> = fleet.engines.iter().map(Engine::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let mut v = variant("v1", RoutingStrategy::PrefixAware, &urls);
+    if let Some(pa) = v
+        .routing_config
+        .as_mut()
+        .and_then(|c| c.prefix_aware_routing_config.as_mut())
+    {
+        pa.concurrency_threshold = 2;
+    }
+    fleet
+        .sdk
+        .update_endpoint_config(ENDPOINT, vec![v], None)
+        .await
+        .unwrap();
+    converge(&fleet).await;
+    let started = Instant::now();
+    let pids = Arc::new(Mutex::new(vec![(
+        "data-plane".to_string(),
+        fleet.routers[0].child.id(),
+    )]));
+    let (samples, sampler) = sample_every_second(Arc::clone(&pids), started);
+    let before = scrape(&fleet).await;
+    let refused_before = refusals(&fleet.metrics(0).await);
+    let outcomes = clients_backing_off(&fleet, 64, total).await;
+    let elapsed = started.elapsed();
+    sampler.abort();
+    let text = fleet.metrics(0).await;
+    let after = scrape(&fleet).await;
+
+    assert_eq!(outcomes.len() as u64, total);
+    let broken: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind.is_broken()).collect();
+    assert!(
+        broken.is_empty(),
+        "{} broken: {:?}",
+        broken.len(),
+        &broken[..broken.len().min(5)]
+    );
+    let client_side = client_by_status(&outcomes);
+    assert_eq!(
+        client_side,
+        delta_by_status(&before, &after),
+        "client outcomes vs the router's /metrics, by status"
+    );
+    // Only flow control refuses here: its 429s are deadlines, its 503s a full queue.
+    let mut by_reason = refusals(&text);
+    for (r, n) in &refused_before {
+        *by_reason.entry(r.clone()).or_insert(0.0) -= n;
+    }
+    by_reason.retain(|_, n| *n != 0.0);
+    let timeouts = by_reason.get("queue_timeout").copied().unwrap_or(0.0);
+    let full = by_reason.get("queue_full").copied().unwrap_or(0.0)
+        + by_reason.get("shed").copied().unwrap_or(0.0);
+    assert_eq!(
+        (timeouts, full),
+        (
+            client_side.get("429").copied().unwrap_or(0.0),
+            client_side.get("503").copied().unwrap_or(0.0)
+        ),
+        "refusals by reason {by_reason:?} vs the client's statuses {client_side:?}"
+    );
+    let ok = client_side.get("200").copied().unwrap_or(0.0);
+    assert!(
+        ok > 0.0 && timeouts > 0.0 && full > 0.0,
+        "the load must be served, time out and fill the queue: {}",
+        tally(&outcomes)
+    );
+    // Deadlines: no 429 before its queue timeout; none hangs on (2 s is far beyond any wake-up
+    // on a busy machine, far below a request left waiting for good).
+    let mut late: Vec<Duration> = outcomes
+        .iter()
+        .filter(|o| matches!(o.kind, Kind::Error(429, _)))
+        .map(|o| {
+            assert!(o.latency >= TIMEOUT, "429 before its deadline: {o:?}");
+            o.latency - TIMEOUT
+        })
+        .collect();
+    assert!(
+        late.iter().all(|l| *l < Duration::from_secs(2)),
+        "a 429 long after its deadline: {:?}",
+        late.iter().max()
+    );
+    // Nothing left behind.
+    for p in ["critical", "standard", "sheddable"] {
+        assert_eq!(
+            fleet::metric(&text, "prefix_router_queue_depth", &[("priority", p)]),
+            0.0,
+            "{p} queue after the load"
+        );
+    }
+    for url in &urls {
+        wait_for(
+            "in-flight counts back to 0",
+            Duration::from_secs(10),
+            || {
+                let fleet = &fleet;
+                async move {
+                    let text = fleet.metrics(0).await;
+                    (fleet::metric(
+                        &text,
+                        "prefix_router_instance_in_flight",
+                        &[("instance", url)],
+                    ) == 0.0)
+                        .then_some(())
+                }
+            },
+        )
+        .await;
+    }
+    let served: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind == Kind::Ok).collect();
+    println!(
+        "OVERLOAD {} requests in {:.0?} ({:.0} rps), 64 clients on 4 places, queue 48, timeout {:?} | {} | refusals {:?} | served p50 {:?} p99 {:?} | 429 past the deadline p50 {:?} p99 {:?} max {:?}",
+        outcomes.len(),
+        elapsed,
+        outcomes.len() as f64 / elapsed.as_secs_f64(),
+        TIMEOUT,
+        tally(&outcomes),
+        by_reason,
+        fleet::quantile(&served, 0.5),
+        fleet::quantile(&served, 0.99),
+        quantile_of(&mut late, 0.5),
+        quantile_of(&mut late, 0.99),
+        late.iter().max().copied().unwrap_or_default(),
+    );
+    for (name, s) in samples.lock().unwrap().iter() {
+        let (rss_slope, _, last) = s.slopes();
+        println!(
+            "OVERLOAD {name}: {} samples, RSS {:.1} MiB at the end, slope {:+.1} KiB/min after warm-up",
+            s.0.len(),
+            last / 1024.0,
+            rss_slope,
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_short() {
+    tokio::time::timeout(Duration::from_secs(240), overload(10_000))
+        .await
+        .expect("the short overload finishes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 100,000 requests; run with -- --ignored"]
+async fn overload_long() {
+    tokio::time::timeout(Duration::from_secs(3600), overload(100_000))
+        .await
+        .expect("the overload finishes within an hour");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
