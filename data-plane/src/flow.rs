@@ -16,9 +16,14 @@
 //!   tenant of short chats from waiting behind another's long documents any more than behind its
 //!   own. A newcomer queues behind those already waiting.
 //! - **Wake.** Every request that leaves an instance ([`crate::load::InFlight`]'s drop) hands its
-//!   place to the next waiter of the variant. The waiter takes its placement's instance if that
-//!   one is free, else the first free one; if another request took the place first it queues
-//!   again, at the front. A new table wakes as many of a variant's waiters as it has free
+//!   place to the next waiter of the variant that takes it. The waiter takes its placement's
+//!   instance if that one is free, else the first free one; if another request took the place
+//!   first it queues again, at the front. A PREFIX_AWARE waiter holds out for its own instance
+//!   (whose cache has its prefix; when all are full, placement names it) for the first
+//!   [`PATIENCE_SHARE`] of its wait: a place freed elsewhere goes first to the next waiter whose
+//!   own instance it is, or who holds out no longer, and only then to it (no place stays idle
+//!   while anyone waits: an idle place cost more served requests than the misses it saved, on
+//!   the overload soak). A new table wakes as many of a variant's waiters as it has free
 //!   places (an instance joined), and every waiter of a variant it no longer has; a waiter woken
 //!   under a table that is no longer served routes again by the new one (still at the front, its
 //!   deadline unchanged).
@@ -315,7 +320,7 @@ impl FlowControl {
                 .map(|i| limit.saturating_sub(i.state().outstanding()))
                 .sum();
             for _ in 0..free.min(queue.len() as u64) {
-                queue.release();
+                queue.release(0);
             }
         }
         for v in old.map(variants).unwrap_or_default() {
@@ -495,8 +500,8 @@ impl FlowMetrics {
 /// What a waiter is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Grant {
-    /// A place freed: try again.
-    Go,
+    /// A place freed (on the instance of this [`instance_id`]; 0: any): try again.
+    Go(usize),
     /// Leave: a more urgent request took the place.
     Shed,
 }
@@ -504,7 +509,29 @@ enum Grant {
 struct Waiter {
     id: u64,
     wake: oneshot::Sender<Grant>,
+    /// The [`instance_id`] of the instance its placement chose.
+    home: usize,
+    /// Until then a place on its home goes to it before one elsewhere (PREFIX_AWARE affinity);
+    /// `None`: any place, in turn.
+    patient_until: Option<Instant>,
 }
+
+impl Waiter {
+    /// Whether it takes a place freed on `freed` (0: any instance) at `now`.
+    fn takes(&self, freed: usize, now: Instant) -> bool {
+        freed == 0 || self.home == freed || self.patient_until.is_none_or(|t| now >= t)
+    }
+}
+
+/// Which instance a place freed on, as waiters name their home: the address of its state (the
+/// same `Arc` across tables that keep the instance; never 0).
+pub fn instance_id(state: &Arc<crate::load::InstanceState>) -> usize {
+    Arc::as_ptr(state) as usize
+}
+
+/// The share of its wait during which a PREFIX_AWARE request lets other waiters take places freed
+/// away from its own instance (whose cache has its prefix) first.
+pub const PATIENCE_SHARE: f64 = 0.25;
 
 struct TenantQueue {
     tenant: Arc<str>,
@@ -553,6 +580,27 @@ impl Waiting {
                     }
                     return Some(w);
                 }
+            }
+        }
+        None
+    }
+
+    /// The next waiter, in [`Waiting::pop`]'s order, that takes a place freed on `freed` at
+    /// `now`: waiters holding out for other instances keep their turn.
+    fn pop_for(&mut self, freed: usize, now: Instant) -> Option<Waiter> {
+        for p in Priority::ALL {
+            let class = &mut self.classes[p as usize];
+            let found = class.iter().enumerate().find_map(|(i, t)| {
+                let j = t.waiters.iter().position(|w| w.takes(freed, now))?;
+                Some((i, j))
+            });
+            if let Some((i, j)) = found {
+                let mut t = class.remove(i).expect("a tenant at its position");
+                let w = t.waiters.remove(j).expect("a waiter at its position");
+                if !t.waiters.is_empty() {
+                    class.push_back(t);
+                }
+                return Some(w);
             }
         }
         None
@@ -650,15 +698,18 @@ impl Queue {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A request left an instance of the variant: the next waiter may take its place.
-    pub fn release(&self) {
+    /// A place freed on the instance of [`instance_id`] `freed` (0: some instance): the next
+    /// waiter that takes it (see [`Waiter::takes`]), else the next waiter, may.
+    pub fn release(&self, freed: usize) {
         if self.is_empty() {
             return;
         }
+        let now = Instant::now();
         let mut waiting = self.lock();
-        while let Some(w) = waiting.pop() {
+        // the next waiter that takes it, else the next one: no place stays idle while any wait
+        while let Some(w) = waiting.pop_for(freed, now).or_else(|| waiting.pop()) {
             self.len.fetch_sub(1, Relaxed);
-            if w.wake.send(Grant::Go).is_ok() {
+            if w.wake.send(Grant::Go(freed)).is_ok() {
                 return;
             }
         }
@@ -673,7 +724,7 @@ impl Queue {
         };
         self.len.fetch_sub(woken.len(), Relaxed);
         for w in woken {
-            let _ = w.wake.send(Grant::Go);
+            let _ = w.wake.send(Grant::Go(0));
         }
     }
 }
@@ -692,14 +743,17 @@ pub struct Ticket<'a> {
 
 impl<'a> Ticket<'a> {
     /// Queues `who` on `load`'s variant (`front`: a waiter whose granted place was taken comes
-    /// back first). Refused when `--max-queued` wait already, unless a sheddable waiter of the
-    /// variant can give its place to a more urgent request.
+    /// back first), first in line for places on `home` ([`instance_id`]) until `patient_until`.
+    /// Refused when `--max-queued` wait already, unless a sheddable waiter of the variant can
+    /// give its place to a more urgent request.
     pub fn take(
         flow: &'a FlowControl,
         metrics: &'a FlowMetrics,
         load: &Arc<VariantLoad>,
         who: &Who,
         front: bool,
+        home: usize,
+        patient_until: Option<Instant>,
     ) -> Result<Self, Refused> {
         if flow.is_draining() {
             return Err(Refused::Draining);
@@ -725,7 +779,13 @@ impl<'a> Ticket<'a> {
         let (tx, rx) = oneshot::channel();
         let id = waiting.next_id;
         waiting.next_id += 1;
-        waiting.push(who, Waiter { id, wake: tx }, front);
+        let waiter = Waiter {
+            id,
+            wake: tx,
+            home,
+            patient_until,
+        };
+        waiting.push(who, waiter, front);
         queue.len.fetch_add(1, Relaxed);
         drop(waiting);
         metrics.depth[who.priority as usize].fetch_add(1, Relaxed);
@@ -752,13 +812,13 @@ impl<'a> Ticket<'a> {
         let grant = tokio::select! {
             // a grant that came in time wins over a deadline that passed meanwhile
             biased;
-            g = &mut self.wake => g.unwrap_or(Grant::Go),
+            g = &mut self.wake => g.unwrap_or(Grant::Go(0)),
             () = tokio::time::sleep_until(until) => return Err(Refused::Timeout),
             () = drained => return Err(Refused::Draining),
         };
         self.queued = false;
         match grant {
-            Grant::Go => Ok(()),
+            Grant::Go(_) => Ok(()),
             Grant::Shed => Err(Refused::Shed),
         }
     }
@@ -781,8 +841,10 @@ impl Drop for Ticket<'_> {
             removed
         };
         // Granted as it left (a place freed for it that it will not take): pass it on.
-        if !removed && matches!(self.wake.try_recv(), Ok(Grant::Go)) {
-            queue.release();
+        if !removed {
+            if let Ok(Grant::Go(freed)) = self.wake.try_recv() {
+                queue.release(freed);
+            }
         }
     }
 }
@@ -962,6 +1024,60 @@ fn variants(t: &RoutingTable) -> Vec<&Variant> {
 mod tests {
     use super::*;
 
+    impl Waiter {
+        /// A waiter that takes any place.
+        fn any(id: u64, wake: oneshot::Sender<Grant>) -> Self {
+            Waiter {
+                id,
+                wake,
+                home: 0,
+                patient_until: None,
+            }
+        }
+    }
+
+    #[test]
+    fn a_place_goes_first_to_a_waiter_whose_home_it_is_or_who_holds_out_no_longer() {
+        let mut w = Waiting::default();
+        let now = Instant::now();
+        let later = Some(now + Duration::from_secs(60));
+        let chat = who("chat", Priority::Standard);
+        // ids 0-2 hold out for homes 10, 20 and 10; id 3 held out until just now
+        for (id, home, until) in [
+            (0, 10, later),
+            (1, 20, later),
+            (2, 10, later),
+            (3, 30, Some(now)),
+        ] {
+            let (tx, _rx) = oneshot::channel();
+            let waiter = Waiter {
+                id,
+                wake: tx,
+                home,
+                patient_until: until,
+            };
+            w.push(&chat, waiter, false);
+        }
+        let id = |w: Option<Waiter>| w.map(|w| w.id);
+        assert_eq!(
+            id(w.pop_for(20, now)),
+            Some(1),
+            "the one whose home it is, queued second"
+        );
+        assert_eq!(
+            id(w.pop_for(40, now)),
+            Some(3),
+            "the one that holds out no longer"
+        );
+        assert_eq!(id(w.pop_for(40, now)), None, "the others hold out");
+        assert_eq!(
+            id(w.pop_for(0, now)),
+            Some(0),
+            "a place on any instance: in turn"
+        );
+        assert_eq!(id(w.pop()), Some(2));
+    }
+
     fn who(tenant: &str, p: Priority) -> Who {
         Who {
             tenant: tenant.into(),
@@ -975,7 +1091,7 @@ mod tests {
         let mut rx = Vec::new();
         let mut push = |w: &mut Waiting, who: &Who, id: u64| {
             let (tx, r) = oneshot::channel();
-            w.push(who, Waiter { id, wake: tx }, false);
+            w.push(who, Waiter::any(id, tx), false);
             rx.push(r);
         };
         let (a, b) = (who("a", Priority::Standard), who("b", Priority::Standard));
@@ -997,7 +1113,7 @@ mod tests {
         let s2 = who("s2", Priority::Sheddable);
         for (who, id) in [(&s1, 1), (&s2, 2), (&s1, 3)] {
             let (tx, _) = oneshot::channel();
-            w.push(who, Waiter { id, wake: tx }, false);
+            w.push(who, Waiter::any(id, tx), false);
         }
         assert_eq!(w.pop_less_urgent(Priority::Standard).map(|x| x.id), Some(3));
         assert!(
@@ -1016,14 +1132,14 @@ mod tests {
         let flood = who("flood", Priority::Standard);
         for id in 0..3 {
             let (tx, _) = oneshot::channel();
-            w.push(&flood, Waiter { id, wake: tx }, false);
+            w.push(&flood, Waiter::any(id, tx), false);
         }
         let quiet = who("quiet", Priority::Standard);
         assert_eq!(w.pop_from_busiest(&quiet).map(|x| x.id), Some(2));
         // the flood's own requests do not displace each other
         assert!(w.pop_from_busiest(&flood).is_none());
         let (tx, _) = oneshot::channel();
-        w.push(&quiet, Waiter { id: 5, wake: tx }, false);
+        w.push(&quiet, Waiter::any(5, tx), false);
         assert!(
             w.pop_from_busiest(&quiet).is_none(),
             "2 against 1: close enough"
@@ -1031,11 +1147,7 @@ mod tests {
         // a more urgent class is never displaced by a less urgent one
         for id in 10..14 {
             let (tx, _) = oneshot::channel();
-            w.push(
-                &who("vip", Priority::Critical),
-                Waiter { id, wake: tx },
-                false,
-            );
+            w.push(&who("vip", Priority::Critical), Waiter::any(id, tx), false);
         }
         assert!(w
             .pop_from_busiest(&who("other", Priority::Sheddable))

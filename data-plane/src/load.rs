@@ -710,7 +710,9 @@ impl Drop for InFlight {
         // its place may go to a request waiting for one (the fence pairs with the waiter's
         // after it queues: one of the two sees the other)
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        self.variant.flow.release();
+        self.variant
+            .flow
+            .release(crate::flow::instance_id(&self.instance));
     }
 }
 

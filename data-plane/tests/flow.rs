@@ -645,3 +645,82 @@ async fn requests_waiting_when_a_table_adds_an_instance_go_to_it_at_once() {
     let _ = on_c.await;
     router.shutdown().await;
 }
+
+/// A prompt the router places on `backend` (which answers), out of 64 tried.
+async fn document_on(url: &str, backend: &Backend) -> String {
+    let host = backend.url.trim_start_matches("http://");
+    for i in 0..64 {
+        let prompt = format!("document {i}: the whole report, then a question");
+        let r = post(url, &[], body(&prompt)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        if r.instance().contains(host) {
+            return prompt;
+        }
+    }
+    panic!("no document of 64 placed on {host}");
+}
+
+/// PREFIX_AWARE while waiting: a place freed on an instance goes first to a waiter whose own
+/// instance it is (whose cache has its prefix), even one queued later, while the others hold out
+/// for theirs; but no place stays idle while anyone waits.
+#[tokio::test]
+async fn a_freed_place_goes_to_a_waiter_whose_own_instance_it_is_first() {
+    let cp = MockControlPlane::start().await;
+    let a = Backend::start("a").await;
+    let b = Backend::start("b").await;
+    cp.push(simple_table(
+        1,
+        prefix_aware(2048, 1),
+        &[a.url.as_str(), b.url.as_str()],
+    ));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        // holds out for 30 s (a quarter), longer than any wait below
+        queue_timeout_ms: 120_000,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/completions");
+    // A document whose instance is `a`, and one whose instance is `b`.
+    let (doc_a, doc_b) = (document_on(&url, &a).await, document_on(&url, &b).await);
+    a.set(Behavior::Hold);
+    b.set(Behavior::Hold);
+    let hits = (a.hits(), b.hits());
+    let hold_a = spawn_post(&url, &[], body(&doc_a));
+    wait_for("a holds its document", WAIT, || async { a.active() == 1 }).await;
+    let hold_b = spawn_post(&url, &[], body(&doc_b));
+    wait_for("b holds its document", WAIT, || async { b.active() == 1 }).await;
+    let w_a = spawn_post(&url, &[], body(&doc_a));
+    wait_queued(&router, 1.0).await;
+    let w_b = spawn_post(&url, &[], body(&doc_b));
+    wait_queued(&router, 2.0).await;
+
+    // b frees: its place goes to the request for b, queued after the one for a
+    b.release();
+    assert_eq!(hold_b.await.unwrap().status, 200);
+    wait_for("b takes the request for b", WAIT, || async {
+        b.hits() == hits.1 + 2 && b.active() == 1
+    })
+    .await;
+    assert!(!w_a.is_finished(), "the request for a still waits for a");
+    assert_eq!(metric(&router, "prefix_router_queue_depth{", "").await, 1.0);
+    b.release();
+    let r = w_b.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.instance().contains(b.url.trim_start_matches("http://")));
+    // b frees again and no one else waits: the request for a takes it at once, well within
+    // the share of its wait it would hold out for a
+    wait_for("the request for a goes to b", WAIT, || async {
+        b.active() == 1
+    })
+    .await;
+    b.release();
+    let r = w_a.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.instance().contains(b.url.trim_start_matches("http://")));
+    assert_eq!(a.hits(), hits.0 + 1, "a still has only its own request");
+    a.release();
+    assert_eq!(hold_a.await.unwrap().status, 200);
+    wait_queued(&router, 0.0).await;
+}

@@ -618,14 +618,24 @@ async fn overload(total: u64) {
         .await;
     }
     let served: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind == Kind::Ok).collect();
+    // the engines' own reports: how much of the served prompts their caches had
+    let tokens = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && l.as_bytes().get(name.len()) == Some(&b'{'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let hit = tokens("prefix_router_cached_prompt_tokens_total")
+        / tokens("prefix_router_prompt_tokens_total").max(1.0);
     println!(
-        "OVERLOAD {} requests in {:.0?} ({:.0} rps), 64 clients on 4 places, queue 48, timeout {:?} | {} | refusals {:?} | served p50 {:?} p99 {:?} | 429 past the deadline p50 {:?} p99 {:?} max {:?}",
+        "OVERLOAD {} requests in {:.0?} ({:.0} rps), 64 clients on 4 places, queue 48, timeout {:?} | {} | refusals {:?} | engines' prefix cache hit {:.1}% | served p50 {:?} p99 {:?} | 429 past the deadline p50 {:?} p99 {:?} max {:?}",
         outcomes.len(),
         elapsed,
         outcomes.len() as f64 / elapsed.as_secs_f64(),
         TIMEOUT,
         tally(&outcomes),
         by_reason,
+        hit * 100.0,
         fleet::quantile(&served, 0.5),
         fleet::quantile(&served, 0.99),
         quantile_of(&mut late, 0.5),

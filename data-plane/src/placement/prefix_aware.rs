@@ -253,7 +253,21 @@ impl Placement {
                 return Some((i, Decision::OverloadBypass, Rule::OverloadBypass));
             }
         }
-        least_loaded(v, exclude, now).map(|i| (i, Decision::OverloadBypass, Rule::OverloadBypass))
+        // Every instance at the limit: the key's own instance while it is among the least
+        // loaded (a request that then waits for a place, see [`crate::flow`], waits for the one
+        // whose cache has its prefix), else the least loaded.
+        let least = least_loaded(v, exclude, now)?;
+        let own = home.unwrap_or(top);
+        let state = |i: usize| instances[i].state();
+        let i = if Some(own) != exclude
+            && !state(own).is_ejected(now)
+            && state(own).outstanding() <= state(least).outstanding()
+        {
+            own
+        } else {
+            least
+        };
+        Some((i, Decision::OverloadBypass, Rule::OverloadBypass))
     }
 }
 

@@ -278,6 +278,19 @@ fn overload_bypass_at_the_concurrency_threshold() {
     }
     let r = p.route(&t, &req(&body)).unwrap();
     assert_eq!((r.instance, r.decision), (top, Decision::OverloadBypass));
+    // every instance at the threshold, equally: the key's own (a request that waits for a
+    // place waits for the one whose cache has its prefix), every time
+    let mut even = Vec::new();
+    for (i, inst) in v.instances().iter().enumerate() {
+        let have = if i == top { 2 } else { 0 };
+        for _ in have..2 {
+            even.push(InFlight::start(inst.state(), v.load()));
+        }
+    }
+    drop(held);
+    for _ in 0..20 {
+        assert_eq!(p.route(&t, &req(&body)).unwrap().instance, top);
+    }
 }
 
 #[test]

@@ -477,17 +477,31 @@ impl Router {
             return Err(self.flow_refusal(table, Refused::Timeout, timeout, second));
         }
         let mut front = requeued.is_some();
+        let home = crate::flow::instance_id(v.instances()[route.instance].state());
+        // PREFIX_AWARE: the first share of the wait goes to the instance whose cache has the prefix
+        let patient_until = route.key.map(|_| {
+            let wait = until.into_std().saturating_duration_since(start);
+            start + wait.mul_f64(crate::flow::PATIENCE_SHARE)
+        });
         let refused = loop {
-            let mut ticket =
-                match Ticket::take(&self.flow, &self.metrics.flow, v.load(), &who, front) {
-                    Ok(t) => t,
-                    Err(r) => break r,
-                };
+            let patient = patient_until.filter(|&t| std::time::Instant::now() < t);
+            let mut ticket = match Ticket::take(
+                &self.flow,
+                &self.metrics.flow,
+                v.load(),
+                &who,
+                front,
+                home,
+                patient,
+            ) {
+                Ok(t) => t,
+                Err(r) => break r,
+            };
             // a place that freed before the ticket was in the queue went to no one (the fence
             // pairs with `InFlight`'s drop: it sees this waiter, or this sees its place)
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            if (0..v.instances().len()).any(usable) {
-                queue.release();
+            for i in (0..v.instances().len()).filter(|&i| usable(i)) {
+                queue.release(crate::flow::instance_id(v.instances()[i].state()));
             }
             if let Err(r) = ticket.wait(until).await {
                 break r;
