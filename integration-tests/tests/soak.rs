@@ -409,18 +409,15 @@ async fn soak(total: u64) {
 
 /// Refusals by reason, from one router's `/metrics`.
 fn refusals(text: &str) -> BTreeMap<String, f64> {
-    flow_control_reasons()
+    data_plane::flow::Refused::ALL
         .iter()
+        .map(|r| r.as_str())
         .map(|r| {
             let n = fleet::metric(text, "prefix_router_queue_refusals_total", &[("reason", r)]);
             (r.to_string(), n)
         })
         .filter(|(_, n)| *n != 0.0)
         .collect()
-}
-
-fn flow_control_reasons() -> [&'static str; 6] {
-    data_plane::flow::Refused::ALL.map(|r| r.as_str())
 }
 
 /// The `q` quantile of `d` (0 when empty).
@@ -619,14 +616,8 @@ async fn overload(total: u64) {
     }
     let served: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind == Kind::Ok).collect();
     // the engines' own reports: how much of the served prompts their caches had
-    let tokens = |name: &str| -> f64 {
-        text.lines()
-            .filter(|l| l.starts_with(name) && l.as_bytes().get(name.len()) == Some(&b'{'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    let hit = tokens("prefix_router_cached_prompt_tokens_total")
-        / tokens("prefix_router_prompt_tokens_total").max(1.0);
+    let hit = fleet::metric(&text, "prefix_router_cached_prompt_tokens_total", &[])
+        / fleet::metric(&text, "prefix_router_prompt_tokens_total", &[]).max(1.0);
     println!(
         "OVERLOAD {} requests in {:.0?} ({:.0} rps), 64 clients on 4 places, queue 48, timeout {:?} | {} | refusals {:?} | engines' prefix cache hit {:.1}% | served p50 {:?} p99 {:?} | 429 past the deadline p50 {:?} p99 {:?} max {:?}",
         outcomes.len(),
