@@ -355,6 +355,7 @@ impl Report for EndpointDescriptionDoc {
                 "UP_TO_DATE",
                 "CONNECTED",
                 "LAST_SEEN",
+                "QUEUED",
                 "LAST_NACK",
             ])
             .indent(2);
@@ -365,6 +366,11 @@ impl Report for EndpointDescriptionDoc {
                     yes_no(d.up_to_date),
                     yes_no(d.connected),
                     dash(&d.last_seen_time),
+                    if d.connected {
+                        d.queued.to_string()
+                    } else {
+                        "-".into()
+                    },
                     d.last_nack.clone().unwrap_or_else(|| "-".into()),
                 ]);
             }
@@ -387,8 +393,47 @@ pub struct DataPlaneDoc {
     pub up_to_date: bool,
     pub connected: bool,
     pub last_seen_time: String,
+    /// Requests waiting in the node for this endpoint, as it last reported.
+    #[serde(default)]
+    pub queued: QueuedDoc,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_nack: Option<String>,
+}
+
+/// Requests waiting in one router for one endpoint, by priority.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct QueuedDoc {
+    pub critical: u32,
+    pub standard: u32,
+    pub sheddable: u32,
+}
+
+impl QueuedDoc {
+    pub fn total(&self) -> u64 {
+        u64::from(self.critical) + u64::from(self.standard) + u64::from(self.sheddable)
+    }
+}
+
+/// `0`, or the total and its classes that have any: `7 (critical 2, standard 5)`.
+impl std::fmt::Display for QueuedDoc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.total())?;
+        let classes = [
+            ("critical", self.critical),
+            ("standard", self.standard),
+            ("sheddable", self.sheddable),
+        ];
+        let mut sep = " (";
+        for (name, n) in classes.iter().filter(|(_, n)| *n > 0) {
+            write!(f, "{sep}{name} {n}")?;
+            sep = ", ";
+        }
+        if sep == ", " {
+            f.write_str(")")?;
+        }
+        Ok(())
+    }
 }
 
 impl From<&DataPlaneStatus> for DataPlaneDoc {
@@ -399,6 +444,14 @@ impl From<&DataPlaneStatus> for DataPlaneDoc {
             up_to_date: d.up_to_date,
             connected: d.connected,
             last_seen_time: rfc3339(d.last_seen_unix_ms),
+            queued: d
+                .queues
+                .iter()
+                .fold(QueuedDoc::default(), |q, e| QueuedDoc {
+                    critical: q.critical.saturating_add(e.critical),
+                    standard: q.standard.saturating_add(e.standard),
+                    sheddable: q.sheddable.saturating_add(e.sheddable),
+                }),
             last_nack: (!d.last_nack.is_empty()).then(|| d.last_nack.clone()),
         }
     }
@@ -565,5 +618,42 @@ impl Report for RoutingTableDoc {
             out.push_str(&t.render());
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_routers_queue_reads_as_its_total_and_busy_classes() {
+        let q = |critical, standard, sheddable| QueuedDoc {
+            critical,
+            standard,
+            sheddable,
+        };
+        assert_eq!(q(0, 0, 0).to_string(), "0");
+        assert_eq!(q(2, 5, 0).to_string(), "7 (critical 2, standard 5)");
+        assert_eq!(q(0, 0, 3).to_string(), "3 (sheddable 3)");
+        let status = DataPlaneStatus {
+            node_id: "dp-0".into(),
+            connected: true,
+            queues: vec![
+                proto::EndpointQueue {
+                    endpoint_name: "chat".into(),
+                    critical: 1,
+                    standard: 0,
+                    sheddable: 4,
+                },
+                proto::EndpointQueue {
+                    endpoint_name: "chat".into(),
+                    critical: 0,
+                    standard: 2,
+                    sheddable: 0,
+                },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(DataPlaneDoc::from(&status).queued, q(1, 2, 4));
     }
 }

@@ -150,6 +150,7 @@ async fn run(etcd: Option<String>) -> anyhow::Result<()> {
                         applied_version: resp.version,
                         response_nonce: resp.nonce,
                         error_detail: String::new(),
+                        status: None,
                     })
                     .await;
             }

@@ -4,7 +4,9 @@
 //! current version the full table goes out at once, then every new version (intermediate
 //! versions are skipped when a router is slow: each table is complete). Each response carries a
 //! nonce; the router ACKs or NACKs it, and [`NodeRegistry`] records per node the applied version,
-//! the last NACK and when it was last heard from. Tables are encoded once per version
+//! the last NACK and when it was last heard from. A message that answers no push (an empty nonce)
+//! may carry the router's status (its queue depths), kept while its stream is open. Tables are
+//! encoded once per version
 //! ([`crate::store::PublishedTable`]) and the same buffer goes to every watcher.
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
@@ -27,7 +29,7 @@ use crate::store::{now_unix_ms, PublishedTable, Store};
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the control plane knows of one data-plane node.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeStatus {
     /// Last version the node ACKed (or reported holding when it connected).
     pub applied_version: u64,
@@ -36,6 +38,9 @@ pub struct NodeStatus {
     pub last_seen_unix_ms: i64,
     /// Error detail of the last NACK, cleared by the next ACK.
     pub last_nack: String,
+    /// Requests waiting in the node per endpoint, as it last reported (cleared when its last
+    /// stream closes: a router that is gone holds no queue this control plane can vouch for).
+    pub queues: Vec<proto::EndpointQueue>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
@@ -73,6 +78,7 @@ impl NodeRegistry {
                 connected: s.streams > 0,
                 last_seen_unix_ms: s.last_seen_unix_ms,
                 last_nack: s.last_nack,
+                queues: s.queues,
             })
             .collect()
     }
@@ -92,8 +98,12 @@ struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.nodes
-            .update(&self.node_id, |s| s.streams = s.streams.saturating_sub(1));
+        self.nodes.update(&self.node_id, |s| {
+            s.streams = s.streams.saturating_sub(1);
+            if s.streams == 0 {
+                s.queues.clear();
+            }
+        });
     }
 }
 
@@ -209,6 +219,9 @@ impl Session {
             if first.applied_version > 0 {
                 s.applied_version = first.applied_version;
             }
+            if let Some(status) = first.status {
+                s.queues = status.queues;
+            }
         });
         let _guard = StreamGuard {
             nodes: self.nodes.clone(),
@@ -270,22 +283,29 @@ impl Session {
         self.tx.send(Ok(response)).await.is_ok()
     }
 
+    /// An ACK or NACK of the pending push (its nonce), or a status report (no nonce), or an
+    /// answer to a push already superseded (nothing to record but that the node is alive).
     fn on_reply(&mut self, node_id: &str, reply: WatchRoutingTableRequest) {
         let answered = self
             .pending
             .as_ref()
-            .filter(|p| p.nonce == reply.response_nonce)
+            .filter(|p| !reply.response_nonce.is_empty() && p.nonce == reply.response_nonce)
             .map(|p| p.version);
-        self.nodes.update(node_id, |s| match answered {
-            Some(version) if reply.error_detail.is_empty() => {
-                s.applied_version = version;
-                s.last_nack.clear();
+        self.nodes.update(node_id, |s| {
+            match answered {
+                Some(version) if reply.error_detail.is_empty() => {
+                    s.applied_version = version;
+                    s.last_nack.clear();
+                }
+                Some(version) => {
+                    tracing::warn!(node_id, version, error = %reply.error_detail, "data plane rejected routing table");
+                    s.last_nack = reply.error_detail.clone();
+                }
+                None => {}
             }
-            Some(version) => {
-                tracing::warn!(node_id, version, error = %reply.error_detail, "data plane rejected routing table");
-                s.last_nack = reply.error_detail.clone();
+            if let Some(status) = reply.status {
+                s.queues = status.queues;
             }
-            None => {}
         });
         if answered.is_some() {
             if let Some(pending) = self.pending.take() {

@@ -253,7 +253,11 @@ impl ControlPlane for ControlPlaneService {
         let endpoint_version = view.endpoint.routing_table_version;
         let local = self.nodes.statuses();
         let others = self.cluster.iter().flat_map(|c| c.others());
-        let data_planes = merge_data_planes(local.into_iter().chain(others), endpoint_version);
+        let mut data_planes = merge_data_planes(local.into_iter().chain(others), endpoint_version);
+        let name = view.endpoint.endpoint_name.as_str();
+        for d in &mut data_planes {
+            d.queues.retain(|q| q.endpoint_name == name);
+        }
         Ok(Response::new(DescribeEndpointResponse {
             endpoint: Some(view.endpoint),
             endpoint_config: Some(view.config),

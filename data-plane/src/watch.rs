@@ -1,7 +1,9 @@
 //! The routing-table watch: one background task keeps a `WatchRoutingTable` stream open to the
 //! control plane, validates each table, swaps it in, and ACKs (or NACKs and keeps the last good
 //! one). Reconnects with exponential backoff and jitter; with the control plane gone the last good
-//! table keeps serving. `--table-cache` keeps that table on disk across restarts.
+//! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
+//! stream the router reports its status (requests waiting per endpoint and priority) when it
+//! changes, checked every [`STATUS_EVERY`], for `prefixctl endpoint describe`.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
@@ -21,6 +23,8 @@ use crate::table::RoutingTable;
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const MAX_TABLE_BYTES: usize = 256 << 20;
+/// How often the router looks whether its status changed since it last reported it.
+pub(crate) const STATUS_EVERY: Duration = Duration::from_secs(1);
 
 /// Exponential backoff with "equal jitter": a delay drawn from [d/2, d], d doubling up to the max.
 #[derive(Debug)]
@@ -210,10 +214,12 @@ async fn watch_once(
         RoutingDiscoveryClient::new(channel).max_decoding_message_size(MAX_TABLE_BYTES);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let held = router.table.load().as_ref().map_or(0, |t| t.version());
+    let mut reported = status(router);
     // The channel has room: the first message is queued before the call starts.
     let _ = tx.try_send(WatchRoutingTableRequest {
         node_id: node_id.to_string(),
         applied_version: held,
+        status: Some(reported.clone()),
         ..Default::default()
     });
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
@@ -227,21 +233,55 @@ async fn watch_once(
         *failures = 0;
     }
     backoff.reset();
-    while let Some(response) = inbound.message().await? {
-        let (answer, applied) = apply(router, node_id, response);
-        if tx.send(answer).await.is_err() {
-            break;
-        }
-        if let (Some(path), Some(bytes)) = (cache, applied) {
-            let path = path.to_path_buf();
-            let written =
-                tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
-            if let Ok(Err(e)) = written {
-                tracing::warn!("cannot write the table cache: {e}");
+    let mut check = tokio::time::interval(STATUS_EVERY);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            response = inbound.message() => {
+                let Some(response) = response? else { break };
+                let (answer, applied) = apply(router, node_id, response);
+                if tx.send(answer).await.is_err() {
+                    break;
+                }
+                if let (Some(path), Some(bytes)) = (cache, applied) {
+                    let path = path.to_path_buf();
+                    let written =
+                        tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
+                    if let Ok(Err(e)) = written {
+                        tracing::warn!("cannot write the table cache: {e}");
+                    }
+                }
+            }
+            _ = check.tick() => {
+                let now = status(router);
+                if now == reported {
+                    continue;
+                }
+                let report = WatchRoutingTableRequest {
+                    node_id: node_id.to_string(),
+                    applied_version: router.table.load().as_ref().map_or(0, |t| t.version()),
+                    status: Some(now.clone()),
+                    ..Default::default()
+                };
+                if tx.send(report).await.is_err() {
+                    break;
+                }
+                reported = now;
             }
         }
     }
     Ok(())
+}
+
+/// What the router reports of itself: the requests waiting per endpoint of its table.
+fn status(router: &Router) -> proto::RouterStatus {
+    let table = router.table.load();
+    proto::RouterStatus {
+        queues: table
+            .as_deref()
+            .map(crate::flow::endpoint_queues)
+            .unwrap_or_default(),
+    }
 }
 
 /// Applies one response; returns the ACK/NACK and, for a newly applied table, its encoding.
@@ -266,6 +306,7 @@ fn apply(
         applied_version,
         response_nonce: response.nonce.clone(),
         error_detail,
+        status: None,
     };
     match result {
         Ok(Some(table)) => {

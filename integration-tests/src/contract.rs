@@ -166,6 +166,29 @@ impl Watcher {
         (resp, table)
     }
 
+    /// A status report: waiting requests per endpoint `(name, critical, standard, sheddable)`.
+    async fn report(&self, queues: &[(&str, u32, u32, u32)]) {
+        let queues = queues
+            .iter()
+            .map(
+                |&(name, critical, standard, sheddable)| proto::EndpointQueue {
+                    endpoint_name: name.into(),
+                    critical,
+                    standard,
+                    sheddable,
+                },
+            )
+            .collect();
+        self.tx
+            .send(WatchRoutingTableRequest {
+                node_id: self.node_id.clone(),
+                status: Some(proto::RouterStatus { queues }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+
     async fn reply(&self, resp: &WatchRoutingTableResponse, error: &str) {
         self.tx
             .send(WatchRoutingTableRequest {
@@ -173,6 +196,7 @@ impl Watcher {
                 applied_version: resp.version,
                 response_nonce: resp.nonce.clone(),
                 error_detail: error.into(),
+                status: None,
             })
             .await
             .unwrap();
@@ -733,6 +757,55 @@ pub async fn metrics_report_rpcs_watchers_and_each_nodes_lag(backend: Backend) {
     cp.stop().await.unwrap();
 }
 
+/// A router's status report (its queues) answers no push, shows in `DescribeEndpoint` for the
+/// endpoint described only, and goes with the router's stream.
+pub async fn status_reports_show_per_endpoint_until_the_stream_ends(backend: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let cp =
+        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
+            .await;
+    let mut c = cp.client().await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
+    let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
+    let (resp, _) = w.next().await;
+    w.report(&[("ep", 1, 2, 3), ("other", 9, 9, 9)]).await;
+    let d = wait_for_node(&c, "the report recorded", "router-1", |n| {
+        !n.queues.is_empty()
+    })
+    .await;
+    let node = d.data_planes.iter().find(|n| n.node_id == "router-1");
+    let node = node.unwrap();
+    assert_eq!(
+        node.queues,
+        vec![proto::EndpointQueue {
+            endpoint_name: "ep".into(),
+            critical: 1,
+            standard: 2,
+            sheddable: 3,
+        }],
+        "only the described endpoint's queue"
+    );
+    assert!(
+        !node.up_to_date && node.applied_version == 0,
+        "a status report is no ACK: {node:?}"
+    );
+    w.reply(&resp, "").await;
+    wait_for_node(&c, "the ACK after a report", "router-1", |n| n.up_to_date).await;
+    // A report that nothing waits any more.
+    w.report(&[]).await;
+    wait_for_node(&c, "the emptied queue", "router-1", |n| n.queues.is_empty()).await;
+    w.report(&[("ep", 0, 4, 0)]).await;
+    wait_for_node(&c, "the new report", "router-1", |n| !n.queues.is_empty()).await;
+    drop(w);
+    let d = wait_for_node(&c, "the stream gone", "router-1", |n| !n.connected).await;
+    let node = d.data_planes.iter().find(|n| n.node_id == "router-1");
+    assert!(
+        node.unwrap().queues.is_empty(),
+        "a gone router holds no queue"
+    );
+    cp.stop().await.unwrap();
+}
+
 pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     let cp =
@@ -956,7 +1029,7 @@ reflection_client!(reflection_v1alpha, tonic_reflection::pb::v1alpha);
 #[macro_export]
 macro_rules! contract_suite {
     ($run:path) => {
-        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
+        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
     };
     (@cases $run:path; $($name:ident),* $(,)?) => {
         $(

@@ -505,22 +505,8 @@ async fn overload(total: u64) {
     })
     .await;
     // Two requests in flight per instance: 4 places for 64 clients.
-    let urls: Vec<String> = fleet.engines.iter().map(Engine::url).collect();
+    let urls = set_threshold(&fleet, 2).await;
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let mut v = variant("v1", RoutingStrategy::PrefixAware, &urls);
-    if let Some(pa) = v
-        .routing_config
-        .as_mut()
-        .and_then(|c| c.prefix_aware_routing_config.as_mut())
-    {
-        pa.concurrency_threshold = 2;
-    }
-    fleet
-        .sdk
-        .update_endpoint_config(ENDPOINT, vec![v], None)
-        .await
-        .unwrap();
-    converge(&fleet).await;
     let started = Instant::now();
     let pids = Arc::new(Mutex::new(vec![(
         "data-plane".to_string(),
@@ -642,6 +628,109 @@ async fn overload(total: u64) {
             rss_slope,
         );
     }
+}
+
+/// PREFIX_AWARE over every engine of the fleet with `concurrency_threshold` `t` (places per
+/// instance), applied by every router; the engines' URLs.
+async fn set_threshold(fleet: &Fleet, t: u32) -> Vec<String> {
+    let urls: Vec<String> = fleet.engines.iter().map(Engine::url).collect();
+    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let mut v = variant("v1", RoutingStrategy::PrefixAware, &refs);
+    if let Some(pa) = v
+        .routing_config
+        .as_mut()
+        .and_then(|c| c.prefix_aware_routing_config.as_mut())
+    {
+        pa.concurrency_threshold = t;
+    }
+    fleet
+        .sdk
+        .update_endpoint_config(ENDPOINT, vec![v], None)
+        .await
+        .unwrap();
+    converge(fleet).await;
+    urls
+}
+
+/// A request of `priority` that holds its place (or its turn) until the task is aborted.
+fn held_request(fleet: &Fleet, priority: &str) -> tokio::task::JoinHandle<()> {
+    let body = serde_json::json!({
+        "model": ENDPOINT,
+        "max_tokens": 2000,
+        "messages": [{ "role": "user", "content": fleet::prompt(1) }],
+    });
+    let request = http::Request::post(format!("{}/v1/chat/completions", fleet.router_url(0)))
+        .header("content-type", "application/json")
+        .header("x-prefix-router-priority", priority)
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            serde_json::to_vec(&body).unwrap(),
+        )))
+        .unwrap();
+    let http = fleet.http.clone();
+    tokio::spawn(async move {
+        let _ = http.request(request).await;
+    })
+}
+
+/// `prefixctl endpoint describe` shows the requests waiting in each router, by priority, and
+/// none once they leave (here: their clients go away, which takes them out of the queue at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_shows_each_routers_queue() {
+    let fleet = Fleet::start(Spec {
+        engines: 1,
+        routers: 1,
+        // 25 ms per token: the first request holds the only place for 50 s
+        engine_args: vec!["--time-scale", "1"],
+        router_args: fleet::args(&["--workers", "1", "--queue-timeout-ms", "60000"]),
+        ..Spec::default()
+    })
+    .await;
+    set_threshold(&fleet, 1).await;
+    let held = held_request(&fleet, "standard");
+    wait_for(
+        "the first request in flight",
+        Duration::from_secs(10),
+        || {
+            let fleet = &fleet;
+            async move {
+                let text = fleet.metrics(0).await;
+                (fleet::metric(&text, "prefix_router_instance_in_flight", &[]) == 1.0).then_some(())
+            }
+        },
+    )
+    .await;
+    let mut queued = vec![held];
+    for p in ["critical", "standard", "standard", "sheddable"] {
+        queued.push(held_request(&fleet, p));
+    }
+    // `prefixctl endpoint describe`'s count of the router's waiting requests, until it is `want`
+    let shows = |what: &'static str, want: serde_json::Value| {
+        let fleet = &fleet;
+        wait_for(what, Duration::from_secs(15), move || {
+            let out = std::process::Command::new(test_support::bin("prefixctl"))
+                .args(["endpoint", "describe", "--endpoint-name", ENDPOINT])
+                .args(["--output", "json", "--control-plane", &fleet.cp.url()])
+                .output()
+                .unwrap();
+            let d: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            let seen = d["DataPlanes"][0]["Queued"] == want;
+            async move { seen.then_some(()) }
+        })
+    };
+    shows(
+        "the router's queue in describe",
+        serde_json::json!({"Critical": 1, "Standard": 2, "Sheddable": 1}),
+    )
+    .await;
+    for q in &queued[1..] {
+        q.abort();
+    }
+    shows(
+        "the emptied queue in describe",
+        serde_json::json!({"Critical": 0, "Standard": 0, "Sheddable": 0}),
+    )
+    .await;
+    queued[0].abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

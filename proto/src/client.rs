@@ -810,6 +810,7 @@ impl RoutingTableWatch {
             applied_version,
             response_nonce: resp.nonce.clone(),
             error_detail,
+            status: None,
         });
     }
 }

@@ -668,6 +668,27 @@ fn take_youngest(class: &mut VecDeque<TenantQueue>, i: usize) -> Option<Waiter> 
     w
 }
 
+/// Requests waiting per endpoint of `table`, by priority: endpoints where none waits are left out.
+pub fn endpoint_queues(table: &RoutingTable) -> Vec<proto::EndpointQueue> {
+    table
+        .endpoints()
+        .filter_map(|e| {
+            let mut depths = [0u32; 3];
+            for v in e.variants() {
+                for (total, d) in depths.iter_mut().zip(v.load().flow().depths()) {
+                    *total = total.saturating_add(d);
+                }
+            }
+            (depths != [0; 3]).then(|| proto::EndpointQueue {
+                endpoint_name: e.name().to_string(),
+                critical: depths[Priority::Critical as usize],
+                standard: depths[Priority::Standard as usize],
+                sheddable: depths[Priority::Sheddable as usize],
+            })
+        })
+        .collect()
+}
+
 /// A variant's waiting requests (kept in its [`VariantLoad`], so that it outlives table
 /// changes that keep the variant).
 #[derive(Default)]
@@ -695,6 +716,18 @@ impl Queue {
     /// Waiters now.
     pub fn len(&self) -> usize {
         self.len.load(Relaxed)
+    }
+
+    /// Waiters now by priority (index: `Priority as usize`).
+    pub fn depths(&self) -> [u32; 3] {
+        if self.is_empty() {
+            return [0; 3];
+        }
+        let waiting = self.lock();
+        waiting.classes.each_ref().map(|class| {
+            let n: usize = class.iter().map(|t| t.waiters.len()).sum();
+            u32::try_from(n).unwrap_or(u32::MAX)
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {

@@ -208,20 +208,22 @@ class DescribeEndpointRequest(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ...) -> None: ...
 
 class DataPlaneStatus(_message.Message):
-    __slots__ = ("node_id", "applied_version", "up_to_date", "connected", "last_seen_unix_ms", "last_nack")
+    __slots__ = ("node_id", "applied_version", "up_to_date", "connected", "last_seen_unix_ms", "last_nack", "queues")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_NACK_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     applied_version: int
     up_to_date: bool
     connected: bool
     last_seen_unix_ms: int
     last_nack: str
-    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., up_to_date: _Optional[bool] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., last_nack: _Optional[str] = ...) -> None: ...
+    queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
+    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., up_to_date: _Optional[bool] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., last_nack: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ...) -> None: ...
 
 class DescribeEndpointResponse(_message.Message):
     __slots__ = ("endpoint", "endpoint_config", "registered_instances", "current_routing_table_version", "data_planes")
@@ -340,16 +342,36 @@ class RoutingTable(_message.Message):
     def __init__(self, version: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[EndpointRoutes, _Mapping]]] = ...) -> None: ...
 
 class WatchRoutingTableRequest(_message.Message):
-    __slots__ = ("node_id", "applied_version", "response_nonce", "error_detail")
+    __slots__ = ("node_id", "applied_version", "response_nonce", "error_detail", "status")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_NONCE_FIELD_NUMBER: _ClassVar[int]
     ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     applied_version: int
     response_nonce: str
     error_detail: str
-    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., response_nonce: _Optional[str] = ..., error_detail: _Optional[str] = ...) -> None: ...
+    status: RouterStatus
+    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., response_nonce: _Optional[str] = ..., error_detail: _Optional[str] = ..., status: _Optional[_Union[RouterStatus, _Mapping]] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("queues",)
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
+    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ...) -> None: ...
+
+class EndpointQueue(_message.Message):
+    __slots__ = ("endpoint_name", "critical", "standard", "sheddable")
+    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
+    CRITICAL_FIELD_NUMBER: _ClassVar[int]
+    STANDARD_FIELD_NUMBER: _ClassVar[int]
+    SHEDDABLE_FIELD_NUMBER: _ClassVar[int]
+    endpoint_name: str
+    critical: int
+    standard: int
+    sheddable: int
+    def __init__(self, endpoint_name: _Optional[str] = ..., critical: _Optional[int] = ..., standard: _Optional[int] = ..., sheddable: _Optional[int] = ...) -> None: ...
 
 class WatchRoutingTableResponse(_message.Message):
     __slots__ = ("version", "nonce", "routing_table")
