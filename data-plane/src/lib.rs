@@ -202,15 +202,10 @@ pub async fn serve_with_picker(
 
     // 0: serving, 1: draining (finish in-flight requests), 2: grace over (close now).
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(0u8);
-    let picker = ext_proc.map(|l| {
-        if let Ok(addr) = l.local_addr() {
-            tracing::info!(%addr, "endpoint picker (ext_proc) serving");
-        }
-        let mut stop = stop_rx.clone();
-        tokio::spawn(ext_proc::serve(router.clone(), l, async move {
-            reached(&mut stop, 1).await
-        }))
-    });
+    let picker = match ext_proc {
+        Some(l) => Some(spawn_picker(router.clone(), l, stop_rx.clone())?),
+        None => None,
+    };
     // Every worker thread and connection task holds a clone; `recv` returns None once all are
     // gone.
     let (drain_tx, mut drain_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -292,11 +287,50 @@ pub async fn serve_with_picker(
         match tokio::time::timeout(grace, picker).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => tracing::warn!("endpoint picker: {e}"),
-            Ok(Err(e)) => tracing::warn!("endpoint picker task: {e}"),
+            Ok(Err(_)) => tracing::warn!("endpoint picker thread ended without its result"),
             Err(_) => tracing::warn!("endpoint picker streams still open after the grace period"),
         }
     }
     Ok(())
+}
+
+/// The endpoint picker on a thread and single-threaded runtime of its own, as each HTTP worker:
+/// Envoy's messages, the h2 connection task and each stream's replies then never wake another
+/// thread (on router_overhead's ENVOY=1 run such wake-ups were most of the picker's cost). Its
+/// result arrives on the receiver when it stops (stage 1 of `stop`).
+fn spawn_picker(
+    router: Arc<proxy::Router>,
+    listener: TcpListener,
+    mut stop: tokio::sync::watch::Receiver<u8>,
+) -> anyhow::Result<tokio::sync::oneshot::Receiver<Result<(), tonic::transport::Error>>> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "endpoint picker (ext_proc) serving");
+    }
+    let listener = listener.into_std()?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("data-plane-picker".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            let result =
+                runtime.map_err(anyhow::Error::from).and_then(|rt| {
+                    rt.block_on(async move {
+                        let listener = TcpListener::from_std(listener)?;
+                        let served = ext_proc::serve(router, listener, async move {
+                            reached(&mut stop, 1).await
+                        })
+                        .await;
+                        let _ = done_tx.send(served);
+                        Ok(())
+                    })
+                });
+            if let Err(e) = result {
+                tracing::error!("endpoint picker: cannot start: {e}");
+            }
+        })?;
+    Ok(done_rx)
 }
 
 /// Hands an accepted connection to the worker with the fewest open connections (ties taken in
