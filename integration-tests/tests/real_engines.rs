@@ -234,6 +234,17 @@ async fn prefix_aware_router(
     urls: &[&str],
     node_id: &str,
 ) -> (InProcessControlPlane, proto::client::Client, String) {
+    prefix_aware_router_with_picker(http, dir, urls, node_id, None).await
+}
+
+/// [`prefix_aware_router`], its data plane also serving the endpoint picker on `ext_proc`.
+async fn prefix_aware_router_with_picker(
+    http: &Http,
+    dir: &Path,
+    urls: &[&str],
+    node_id: &str,
+    ext_proc: Option<tokio::net::TcpListener>,
+) -> (InProcessControlPlane, proto::client::Client, String) {
     let control_plane = InProcessControlPlane::start(&dir.join("cp")).await;
     let client = proto::client::Client::connect(control_plane.url.clone())
         .await
@@ -254,7 +265,12 @@ async fn prefix_aware_router(
         default_endpoint: Some("llama".into()),
         ..data_plane::Config::default()
     };
-    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
+    tokio::spawn(data_plane::serve_with_picker(
+        listener,
+        ext_proc,
+        config,
+        std::future::pending(),
+    ));
     wait_for(
         "the data plane to apply a routing table",
         Duration::from_secs(15),
@@ -551,6 +567,100 @@ async fn prefix_aware_places_a_shared_prefix_on_one_llama_server_and_its_cache_s
         "the engines' own counters show {} cold prefills: {computed} tokens computed",
         engines.len()
     );
+    control_plane.stop().await.unwrap();
+}
+
+/// Through a real Envoy (`deploy/envoy/envoy.yaml`, full-duplex bodies) with the data plane as its
+/// endpoint picker: a document's chats and completions, streaming and not, all go to one
+/// llama-server, whose own counters show its cache serving the repeats and the others untouched;
+/// the picker learns the engine's cache reports from the response bodies Envoy sends it, and
+/// nothing stays in flight after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_envoy_a_shared_prefix_stays_on_one_llama_server() {
+    let _one = ONE_FLEET.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let test = "real_engines::through_envoy";
+    let Some((bin, model)) = prerequisites(test, dir.path()) else {
+        return;
+    };
+    let Some(envoy_bin) = test_support::require_tool(test, integration_tests::envoy::binary())
+    else {
+        return;
+    };
+    let http: Http = Client::builder(TokioExecutor::new()).build_http();
+    let servers = start_fleet(&http, &bin, &model, dir.path(), 3).await;
+    let urls: Vec<&str> = servers.iter().map(|s| s.url.as_str()).collect();
+    let ext = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let picker = ext.local_addr().unwrap().to_string();
+    let (control_plane, _client, router) =
+        prefix_aware_router_with_picker(&http, dir.path(), &urls, "dp-envoy", Some(ext)).await;
+    let config = integration_tests::envoy::picker_config(&picker, "FULL_DUPLEX_STREAMED");
+    let envoy =
+        integration_tests::envoy::Envoy::start(&envoy_bin, dir.path(), "envoy", &config).await;
+    let counters = || async {
+        let mut v = Vec::new();
+        for u in &urls {
+            v.push(cache_counters(&http, u).await);
+        }
+        v
+    };
+    let router_metric = |name: &'static str| {
+        let (http, url) = (http.clone(), format!("{router}/metrics"));
+        async move {
+            let (_, text) = get(&http, &url).await.expect("the router's /metrics");
+            text.lines()
+                .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum::<f64>()
+        }
+    };
+    let learned_before = router_metric("prefix_router_cached_prompt_tokens_total").await;
+    for (round, chat) in [(11u64, true), (12, false)] {
+        let doc = document(round, 3000);
+        let before = counters().await;
+        let mut answers = Vec::new();
+        for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+            let prompt = format!("{doc}\nQuestion {i}: why?");
+            let r = send(&http, &envoy.url, chat, stream, &prompt).await;
+            assert!(!r.text.is_empty(), "chat {chat}, stream {stream}: {r:?}");
+            assert!(
+                r.decision.starts_with("prefix_"),
+                "the picker's prefix placement (its headers through Envoy): {r:?}"
+            );
+            answers.push(r);
+        }
+        let home = answers[0].instance.clone();
+        assert!(
+            answers.iter().all(|r| r.instance == home),
+            "chat {chat}: one prefix, one engine through Envoy: {answers:#?}"
+        );
+        let after = counters().await;
+        let at = urls
+            .iter()
+            .position(|u| *u == home)
+            .expect("a known instance");
+        let doc_tokens = answers[0].prompt_tokens as f64;
+        let cached = after[at].0 - before[at].0;
+        assert!(
+            cached >= 3.0 * 0.9 * doc_tokens,
+            "chat {chat}: {home} cached {cached} tokens over 3 repeats of a {doc_tokens}-token prompt"
+        );
+        for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+            if i != at {
+                assert_eq!(a, b, "{} served nothing through Envoy", urls[i]);
+            }
+        }
+    }
+    let learned = router_metric("prefix_router_cached_prompt_tokens_total").await - learned_before;
+    assert!(
+        learned > 0.0,
+        "the picker read the engines' cache reports from the responses Envoy sent it"
+    );
+    wait_for("nothing in flight", Duration::from_secs(10), || async {
+        (router_metric("prefix_router_instance_in_flight").await == 0.0).then_some(())
+    })
+    .await;
+    drop(envoy);
     control_plane.stop().await.unwrap();
 }
 
