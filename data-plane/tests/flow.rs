@@ -724,3 +724,53 @@ async fn a_freed_place_goes_to_a_waiter_whose_own_instance_it_is_first() {
     assert_eq!(hold_a.await.unwrap().status, 200);
     wait_queued(&router, 0.0).await;
 }
+
+#[tokio::test]
+async fn sheddable_requests_leave_one_of_four_single_request_engines_to_the_others() {
+    // four engines that run one request each: no instance has a quarter to keep, the variant does
+    let cp = MockControlPlane::start().await;
+    let mut held = Vec::new();
+    for i in 0..4 {
+        held.push(Backend::start_with(&format!("e{i}"), Behavior::Hold).await);
+    }
+    let urls: Vec<&str> = held.iter().map(|b| b.url.as_str()).collect();
+    cp.push(simple_table(1, strategy(RoutingStrategy::Random), &urls));
+    let router = RouterHandle::start(Config {
+        control_plane: cp.url.clone(),
+        instance_max_in_flight: 1,
+        ..Config::default()
+    })
+    .await;
+    router.wait_version(1).await;
+    let url = router.url("/v1/completions");
+    let active = || held.iter().map(|b| b.active()).sum::<u64>();
+    let shed = [("x-prefix-router-priority", "sheddable")];
+    let batch: Vec<_> = (0..4)
+        .map(|i| spawn_post(&url, &shed, body(&format!("batch-{i}"))))
+        .collect();
+    // three engines take batch work; the fourth batch request waits
+    wait_queued(&router, 1.0).await;
+    wait_for("three engines hold batch work", WAIT, || async {
+        active() == 3
+    })
+    .await;
+    // a critical request goes straight to the engine kept free
+    let chat = spawn_post(
+        &url,
+        &[("x-prefix-router-priority", "critical")],
+        body("chat"),
+    );
+    wait_for("all four engines hold a request", WAIT, || async {
+        active() == 4
+    })
+    .await;
+    assert_eq!(metric(&router, "prefix_router_queue_depth{", "").await, 1.0);
+    for b in &held {
+        b.set(Behavior::Echo);
+        b.release();
+    }
+    assert_eq!(chat.await.unwrap().status, 200);
+    for r in batch {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+}

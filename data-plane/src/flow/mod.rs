@@ -5,7 +5,9 @@
 //!   its variant's limit: PREFIX_AWARE's `concurrency_threshold`, else `--instance-max-in-flight`;
 //!   a sheddable request only while it has fewer than three quarters of that (the rest is kept
 //!   for standard and critical requests: a critical one arriving in a sheddable flood finds a
-//!   place at once instead of waiting for one to free).
+//!   place at once instead of waiting for one to free), and only while the variant's requests in
+//!   flight are fewer than three quarters of all its places (so that engines that run one
+//!   request each, whose own quarter rounds to none, still keep one in four for the others).
 //!   The placement's choice goes first; when it is full the request takes the first free instance
 //!   (PREFIX_AWARE: of the key's ranking; else the least loaded), and only when none is free does
 //!   it queue.
@@ -298,6 +300,19 @@ impl FlowControl {
             _ => None,
         };
         self.limit(threshold, priority)
+    }
+
+    /// Whether `v` as a whole has room for a request of `priority`: a sheddable one only while
+    /// its requests in flight from this router are fewer than three quarters of its places
+    /// (instances times [`FlowControl::limit`], the last quarter rounded down). This keeps a place
+    /// for standard and critical requests where the per-instance quarter rounds to none: four
+    /// engines that run one request each keep one engine for them.
+    pub fn variant_room(&self, v: &Variant, priority: Priority) -> bool {
+        if priority != Priority::Sheddable {
+            return true;
+        }
+        let places = v.instances().len() as u64 * self.variant_limit(v, Priority::Critical);
+        v.load().outstanding() < places - places / 4
     }
 
     /// `new` now serves in place of `old`: each of its variants' waiters may take a place it adds

@@ -458,10 +458,12 @@ impl Router {
         let timeout = self.flow.timeout(headers).map_err(bad)?;
         let limit = self.flow.variant_limit(v, priority);
         let queue = v.load().flow();
+        // the variant's own share (sheddable: a quarter of all its places kept for the others)
+        let room = || self.flow.variant_room(v, priority);
         let free = |i: usize| v.instances()[i].state().outstanding() < limit;
         // what move_to_free would take (a free but ejected instance is no reason to wake anyone)
-        let usable = |i: usize| free(i) && !v.instances()[i].state().is_ejected(now_ms());
-        if queue.is_empty() && (free(route.instance) || self.move_to_free(route, limit)) {
+        let usable = |i: usize| room() && free(i) && !v.instances()[i].state().is_ejected(now_ms());
+        if queue.is_empty() && room() && (free(route.instance) || self.move_to_free(route, limit)) {
             if let Some(start) = requeued {
                 self.metrics.flow.wait.observe(start.elapsed());
             }
@@ -514,7 +516,7 @@ impl Router {
             {
                 return Ok(Waited::NewTable(next, start));
             }
-            if free(route.instance) || self.move_to_free(route, limit) {
+            if room() && (free(route.instance) || self.move_to_free(route, limit)) {
                 self.metrics.flow.wait.observe(start.elapsed());
                 return Ok(Waited::Placed(Some(start)));
             }
