@@ -2,13 +2,16 @@
 //!
 //! Engine-sims with [`SLOTS`] running slots each (`--max-num-seqs`) behind PREFIX_AWARE routers
 //! whose `concurrency_threshold` is the same, so a router's in-flight limit is what an engine
-//! runs at once. Requests are open-loop (sent at a fixed rate whatever the answers), streaming,
+//! runs at once. With `--engines` (real servers that already run) the variant's
+//! `concurrency_threshold` is `--concurrency-threshold`, which should be each engine's running
+//! slots (llama-server's `--parallel`), and durations are wall-clock (no `--time-scale`). Requests are open-loop (sent at a fixed rate whatever the answers), streaming,
 //! each with a unique prompt (no cache luck):
 //! - `batch`: tenant `batch`, `sheddable`, long prompts and long answers (summaries);
 //! - `chat`: tenant `chat`, `critical`, short prompts and short answers;
 //! - `a` and `b`: two `standard` tenants of the batch shape.
 //!
-//! Phases, each on a fresh fleet: `capacity` (closed loop, one batch client per slot: the
+//! Phases, each on a fresh fleet (fresh routers over the same `--engines`; every phase's prompts
+//! differ from the others', so a real engine's cache gives no phase a head start): `capacity` (closed loop, one batch client per slot: the
 //! fleet's batch requests per second), `idle` (chat alone at 20% of that), then with flow control
 //! on and off: `flood` (batch at 3x capacity while chat sends at 20%) and `fair` (a at 3.2x and
 //! b at 0.8x capacity: 4:1 demand). Reported per phase and tenant: requests, served, refusals by
@@ -181,15 +184,22 @@ async fn send(http: &HttpClient, url: &http::Uri, s: Stream, n: u64) -> Outcome 
     outcome("200".into(), ttft)
 }
 
-/// Sends `s` until `until`: open loop at its rate, or closed loop with its clients.
-async fn drive(http: HttpClient, url: http::Uri, s: Stream, until: Instant) -> Vec<Outcome> {
+/// Sends `s` until `until`: open loop at its rate, or closed loop with its clients; request
+/// numbers (hence prompts) start at `first`.
+async fn drive(
+    http: HttpClient,
+    url: http::Uri,
+    s: Stream,
+    until: Instant,
+    first: u64,
+) -> Vec<Outcome> {
     let mut tasks = tokio::task::JoinSet::new();
     if s.clients > 0 {
         for c in 0..s.clients {
             let (http, url) = (http.clone(), url.clone());
             tasks.spawn(async move {
                 let mut out = Vec::new();
-                let mut n = (c as u64) << 32;
+                let mut n = first + ((c as u64) << 32);
                 while Instant::now() < until {
                     out.push(send(&http, &url, s, n).await);
                     n += 1;
@@ -201,7 +211,7 @@ async fn drive(http: HttpClient, url: http::Uri, s: Stream, until: Instant) -> V
         let interval = Duration::from_secs_f64(1.0 / s.rate);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-        let mut n = 0u64;
+        let mut n = first;
         while Instant::now() < until {
             tick.tick().await;
             let (http, url) = (http.clone(), url.clone());
@@ -216,9 +226,19 @@ async fn drive(http: HttpClient, url: http::Uri, s: Stream, until: Instant) -> V
     out
 }
 
+/// Running slots per engine: [`SLOTS`] on engine-sims, `--concurrency-threshold` on `--engines`.
+fn slots(args: &BenchArgs) -> u32 {
+    if args.engines.is_empty() {
+        SLOTS
+    } else {
+        args.concurrency_threshold
+    }
+}
+
+/// Phase `index` (its prompts' numbers start at `index << 40`).
 async fn phase(
     args: &BenchArgs,
-    name: &str,
+    (index, name): (u64, &str),
     flow: Switch,
     streams: &[Stream],
     seconds: f64,
@@ -228,15 +248,15 @@ async fn phase(
         routers: 1,
         strategy: RoutingStrategy::PrefixAware,
         prefix_length: 256,
-        concurrency_threshold: SLOTS,
+        concurrency_threshold: slots(args),
         hash_balance_factor: None,
         hot_key_spread: None,
         kv_capacity_tokens: 200_000,
         time_scale: args.time_scale,
         seed: args.seed,
-        engines: Vec::new(),
-        model_name: None,
-        max_num_seqs: Some(SLOTS),
+        engines: args.engines.clone(),
+        model_name: args.model.clone(),
+        max_num_seqs: args.engines.is_empty().then_some(SLOTS),
         flow_control: Some(flow),
     })
     .await
@@ -247,7 +267,7 @@ async fn phase(
     let until = started + Duration::from_secs_f64(seconds);
     let mut runs = tokio::task::JoinSet::new();
     for &s in streams {
-        runs.spawn(drive(http.clone(), url.clone(), s, until));
+        runs.spawn(drive(http.clone(), url.clone(), s, until, index << 40));
     }
     let mut outcomes = Vec::new();
     while let Some(r) = runs.join_next().await {
@@ -295,17 +315,16 @@ async fn phase(
 
 /// Runs the phases, prints the table, writes `--out`.
 pub async fn run(args: &BenchArgs) -> anyhow::Result<BenchReport> {
-    anyhow::ensure!(
-        args.engines.is_empty(),
-        "--workload mixed-priority runs on engine-sims it starts (their --max-num-seqs sets the \
-         fleet's capacity); it does not take --engines"
-    );
-    let seconds = args.duration * args.time_scale;
-    let slots = args.instances as usize * SLOTS as usize;
+    let (engines, seconds) = if args.engines.is_empty() {
+        (args.instances as usize, args.duration * args.time_scale)
+    } else {
+        (args.engines.len(), args.duration)
+    };
+    let slots = engines * slots(args) as usize;
     // standard: a sheddable request may fill only three quarters of an instance
     let mut closed = batch("batch", "standard", 0.0);
     closed.clients = slots;
-    let cap = phase(args, "capacity", Switch::On, &[closed], seconds / 2.0).await?;
+    let cap = phase(args, (0, "capacity"), Switch::On, &[closed], seconds / 2.0).await?;
     let capacity = cap[0].served_rps;
     anyhow::ensure!(
         capacity > 0.0,
@@ -314,18 +333,27 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     );
     eprintln!("capacity: {capacity:.1} batch requests/s over {slots} slots");
     let mut results = cap;
-    results.extend(phase(args, "idle", Switch::On, &[chat(0.2 * capacity)], seconds).await?);
-    for flow in [Switch::On, Switch::Off] {
+    results.extend(
+        phase(
+            args,
+            (1, "idle"),
+            Switch::On,
+            &[chat(0.2 * capacity)],
+            seconds,
+        )
+        .await?,
+    );
+    for (i, flow) in [(2, Switch::On), (4, Switch::Off)] {
         let flood = [
             batch("batch", "sheddable", 3.0 * capacity),
             chat(0.2 * capacity),
         ];
-        results.extend(phase(args, "flood", flow, &flood, seconds).await?);
+        results.extend(phase(args, (i, "flood"), flow, &flood, seconds).await?);
         let fair = [
             batch("a", "standard", 3.2 * capacity),
             batch("b", "standard", 0.8 * capacity),
         ];
-        results.extend(phase(args, "fair", flow, &fair, seconds).await?);
+        results.extend(phase(args, (i + 1, "fair"), flow, &fair, seconds).await?);
     }
     print_table(&results);
     let fairness: Vec<serde_json::Value> = ["on", "off"]
@@ -361,8 +389,9 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         );
     }
     let config = serde_json::json!({
-        "instances": args.instances,
-        "slots_per_instance": SLOTS,
+        "instances": engines,
+        "engines": args.engines,
+        "slots_per_instance": slots / engines,
         "time_scale": args.time_scale,
         "duration_s": args.duration,
         "seed": args.seed,
