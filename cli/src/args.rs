@@ -93,7 +93,7 @@ pub enum Command {
     /// All-in-one local fleet: control plane (embedded), data plane and simulated engines.
     Up(UpArgs),
     /// The fleet benchmark: each strategy on a fresh simulated fleet, compared (see BENCHMARKS.md).
-    Bench(crate::bench::BenchArgs),
+    Bench(Box<crate::bench::BenchArgs>),
     /// A short live demo: RANDOM, then PREFIX_AWARE switched in with UpdateEndpointConfig, side by side.
     Demo(crate::bench::DemoArgs),
     /// A live view of the engines' prefix-cache reports, read from data planes' /metrics: per

@@ -28,11 +28,22 @@ fn bench_writes_the_contract_json_and_prefix_aware_beats_random_on_hits() {
             out.to_str().unwrap(),
             "--markdown",
             md.to_str().unwrap(),
+            "--router-metrics",
+            dir.path().join("routers").to_str().unwrap(),
         ])
         .assert()
         .success();
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     assert_eq!(report["workload"], "long-context");
+    for strategy in ["RANDOM", "PREFIX_AWARE"] {
+        let path = dir.path().join(format!("routers/{strategy}-router0.prom"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.contains("prefix_router_prompt_tokens_total{"),
+            "{}: {text}",
+            path.display()
+        );
+    }
     let results = report["results"].as_array().unwrap();
     assert_eq!(results.len(), 2);
     for r in results {

@@ -265,6 +265,20 @@ impl Metrics {
                 );
             }
         }
+        let mut bound = out.gauge(
+            "prefix_router_cache_bound_keys",
+            "Reused prompt prefixes an instance's cache was seen to hold, as this router learnt \
+             it from the engines' reports (absent until a cache overflowed); no instance is given \
+             more of them.",
+        );
+        for (endpoint, variant) in variants() {
+            if let Some(keys) = variant.load().homes().capacity() {
+                bound.sample(
+                    &[("endpoint", endpoint.name()), ("variant", variant.name())],
+                    f64::from(keys),
+                );
+            }
+        }
         let mut in_flight = out.gauge(
             "prefix_router_instance_in_flight",
             "Requests in flight per instance (until the response body ends).",

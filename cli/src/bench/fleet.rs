@@ -408,6 +408,21 @@ impl Fleet {
         Ok(h)
     }
 
+    /// Each router's `/metrics`, to `dir/{label}-router{i}.prom`.
+    pub async fn write_router_metrics(
+        &self,
+        dir: &std::path::Path,
+        label: &str,
+    ) -> anyhow::Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (i, r) in self.routers.iter().enumerate() {
+            let text = metrics::get_text(&self.http, &format!("{}/metrics", r.url)).await?;
+            let path = dir.join(format!("{label}-router{i}.prom"));
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
     pub async fn stop(self) {
         for r in self.routers {
             r.stop().await;

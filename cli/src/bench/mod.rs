@@ -87,6 +87,11 @@ pub struct BenchArgs {
     /// placement draw (which documents' hashes meet on one engine).
     #[arg(long, requires = "engines", value_parser = clap::value_parser!(u64).range(1..))]
     pub text_salt: Option<u64>,
+    /// Writes each of the bench's routers' `/metrics` (placement rules, the engines' reports by
+    /// instance and rule, the learnt cache bound) at the end of each strategy's run to
+    /// `DIR/STRATEGY-routerI.prom`.
+    #[arg(long, value_name = "DIR")]
+    pub router_metrics: Option<std::path::PathBuf>,
     /// Data-plane replicas; clients are spread over them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=16))]
     pub routers: u64,
@@ -599,6 +604,11 @@ async fn run_strategy(
             failures.explain(strategy.user_name(), args.token_scale)
         );
     }
+    if let Some(dir) = &args.router_metrics {
+        fleet
+            .write_router_metrics(dir, strategy.user_name())
+            .await?;
+    }
     let end = snapshot(&fleet).await?;
     let end_hist = fleet.decision_histogram().await?;
     let (begin, begin_hist) = match first {
@@ -849,6 +859,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         router_url: None,
         router_label: String::new(),
         text_salt: None,
+        router_metrics: None,
         document_role: DocumentRole::User,
         cache_regime: CacheRegime::Ample,
         model: None,

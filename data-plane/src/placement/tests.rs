@@ -1440,3 +1440,14 @@ fn under_a_bound_only_the_keys_a_pass_gave_room_are_spread() {
     homes.store_copied(vec![key]);
     assert!(instances_of_hot(&p).len() > 1, "room given");
 }
+
+#[test]
+fn the_learnt_cache_bound_is_in_the_metrics_once_known() {
+    let t = prefix_aware_table(4);
+    let metrics = crate::metrics::Metrics::default();
+    let line = "prefix_router_cache_bound_keys{endpoint=\"e\",variant=\"v1\"}";
+    assert!(!metrics.render(Some(&t), 0).contains(line), "no bound yet");
+    variant_of(&t).load().homes().store_capacity(Some(3), 0);
+    let out = metrics.render(Some(&t), 0);
+    assert!(out.contains(&format!("{line} 3\n")), "{out}");
+}
