@@ -51,23 +51,43 @@ struct Streamed {
     usage: PromptUsage,
 }
 
-/// Runs `concurrency` clients over `routers` until `stop_at`, sending each sample down `out`.
-/// Every request names `model` in its body and nothing else: no `x-endpoint-name`, which would
+/// What the clients send: each client's conversation from `workload` over `documents`, every
+/// request naming `model`.
+pub struct Conversations {
+    pub workload: Arc<Workload>,
+    pub documents: Arc<Vec<Arc<str>>>,
+    pub model: Arc<str>,
+}
+
+/// Who sends it: `concurrency` clients spread over `routers`, each sending until `stop_at`.
+pub struct Clients {
+    pub routers: Vec<String>,
+    pub concurrency: usize,
+    pub stop_at: Instant,
+}
+
+/// Runs the `clients` with their `conversations`, sending each sample down `out`.
+/// Every request names the model in its body and nothing else: no `x-endpoint-name`, which would
 /// name an endpoint a peer router (`--router-url`) does not have. The bench's own routers send a
 /// model that names no endpoint of theirs (e.g. the engines' own id, which peer routers may
 /// require) to their default endpoint, the bench endpoint (see [`super::fleet`]).
 /// Returns when every client finished its last request.
-#[allow(clippy::too_many_arguments)]
 pub async fn run_clients(
-    workload: Arc<Workload>,
-    documents: Arc<Vec<Arc<str>>>,
-    model: Arc<str>,
-    routers: Vec<String>,
-    concurrency: usize,
-    stop_at: Instant,
+    conversations: Conversations,
+    clients: Clients,
     http: HttpClient,
     out: mpsc::UnboundedSender<Finished>,
 ) {
+    let Conversations {
+        workload,
+        documents,
+        model,
+    } = conversations;
+    let Clients {
+        routers,
+        concurrency,
+        stop_at,
+    } = clients;
     let mut tasks = tokio::task::JoinSet::new();
     for client in 0..concurrency {
         let url: http::Uri = format!("{}/v1/chat/completions", routers[client % routers.len()])

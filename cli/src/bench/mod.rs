@@ -32,8 +32,8 @@ use tokio::sync::mpsc;
 
 use engines::EngineShares;
 use fleet::{EngineCounters, EngineReading, Fleet, FleetSpec};
-use load::{Finished, PromptUsage, Sample};
-use report::{AutoscaleReport, BenchReport, PhaseHitRate, StrategyResult};
+use load::{Clients, Conversations, Finished, PromptUsage, Sample};
+use report::{AutoscaleReport, BenchReport, MeasuredWindow, PhaseHitRate, StrategyResult};
 use workload::{CacheRegime, DocumentRole, Workload, WorkloadKind};
 
 /// `prefixctl bench` flags.
@@ -543,12 +543,16 @@ async fn run_strategy(
         None => fleet.router_urls(),
     };
     let clients = tokio::spawn(load::run_clients(
-        workload.clone(),
-        documents.clone(),
-        model(args),
-        targets,
-        args.concurrency as usize,
-        stop_at,
+        Conversations {
+            workload: workload.clone(),
+            documents: documents.clone(),
+            model: model(args),
+        },
+        Clients {
+            routers: targets,
+            concurrency: args.concurrency as usize,
+            stop_at,
+        },
         metrics::http_client(),
         tx,
     ));
@@ -655,10 +659,12 @@ async fn run_strategy(
     let result = StrategyResult::compute(
         strategy,
         args.time_scale,
-        &measured,
-        &begin_counters,
-        &end_counters,
-        window,
+        &MeasuredWindow {
+            samples: &measured,
+            begin: &begin_counters,
+            end: &end_counters,
+            length: window,
+        },
         &end_hist.since(&begin_hist),
         autoscale_report,
     );
@@ -888,12 +894,16 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let stop_at = start + total;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let clients = tokio::spawn(load::run_clients(
-        workload.clone(),
-        documents,
-        model(&bench),
-        fleet.router_urls(),
-        args.concurrency as usize,
-        stop_at,
+        Conversations {
+            workload: workload.clone(),
+            documents,
+            model: model(&bench),
+        },
+        Clients {
+            routers: fleet.router_urls(),
+            concurrency: args.concurrency as usize,
+            stop_at,
+        },
         metrics::http_client(),
         tx,
     ));
@@ -934,10 +944,12 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         StrategyResult::compute(
             strategy,
             args.time_scale,
-            &measured,
-            &from.engines,
-            &to.engines,
-            to.at - from.at,
+            &MeasuredWindow {
+                samples: &measured,
+                begin: &from.engines,
+                end: &to.engines,
+                length: to.at - from.at,
+            },
             &metrics::Histogram::default(),
             None,
         )

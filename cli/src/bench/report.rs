@@ -69,18 +69,29 @@ pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len() - 1)]
 }
 
+/// The measured window of one strategy's run: the requests that finished in it, the engines'
+/// counters at its start and its end, and its wall-clock length.
+pub struct MeasuredWindow<'a> {
+    pub samples: &'a [&'a Sample],
+    pub begin: &'a [EngineCounters],
+    pub end: &'a [EngineCounters],
+    pub length: Duration,
+}
+
 impl StrategyResult {
-    #[allow(clippy::too_many_arguments)]
     pub fn compute(
         strategy: RoutingStrategy,
         time_scale: f64,
-        measured: &[&Sample],
-        begin: &[EngineCounters],
-        end: &[EngineCounters],
-        window: Duration,
+        window: &MeasuredWindow<'_>,
         decisions: &Histogram,
         autoscale: Option<AutoscaleReport>,
     ) -> Self {
+        let MeasuredWindow {
+            samples: measured,
+            begin,
+            end,
+            length: window,
+        } = *window;
         let ok: Vec<&&Sample> = measured.iter().filter(|s| s.error.is_none()).collect();
         let errors = measured.len() - ok.len();
         let mut ttft: Vec<f64> = ok
@@ -576,10 +587,12 @@ mod tests {
         let r = StrategyResult::compute(
             RoutingStrategy::PrefixAware,
             0.1,
-            &refs,
-            &begin,
-            &end,
-            Duration::from_secs(1),
+            &MeasuredWindow {
+                samples: &refs,
+                begin: &begin,
+                end: &end,
+                length: Duration::from_secs(1),
+            },
             &Histogram::default(),
             None,
         );
@@ -601,10 +614,12 @@ mod tests {
         let r = StrategyResult::compute(
             RoutingStrategy::Random,
             1.0,
-            &refs,
-            &[],
-            &[],
-            Duration::from_secs(1),
+            &MeasuredWindow {
+                samples: &refs,
+                begin: &[],
+                end: &[],
+                length: Duration::from_secs(1),
+            },
             &Histogram::default(),
             None,
         );
