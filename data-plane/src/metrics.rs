@@ -59,7 +59,7 @@ impl Histogram {
     }
 
     /// Adds this histogram (no labels) to `out` as `name`.
-    fn describe(&self, name: &str, help: &str, out: &mut Exposition) {
+    pub(crate) fn describe(&self, name: &str, help: &str, out: &mut Exposition) {
         let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
         let finite = self
             .bounds
@@ -313,29 +313,7 @@ impl Metrics {
             "Routing decision latency: body parse, prefix hash and instance choice.",
             &mut out,
         );
-        let mut depth = out.gauge(
-            "prefix_router_queue_depth",
-            "Requests waiting in this router for an instance below its in-flight limit, by priority.",
-        );
-        for p in crate::flow::Priority::ALL {
-            let n = self.flow.depth[p as usize].load(Relaxed);
-            depth.sample(&[("priority", p.as_str())], n as f64);
-        }
-        let mut refused = out.counter(
-            "prefix_router_queue_refusals_total",
-            "Requests refused by flow control: queue_full (503), shed (503: its place went to a \
-             more urgent request or a quieter tenant), queue_timeout (429), requests_per_minute \
-             and tokens_per_minute (429: the tenant's rate limits), shutting_down (503).",
-        );
-        for (i, why) in crate::flow::Refused::ALL.iter().enumerate() {
-            let n = self.flow.refusals[i].load(Relaxed);
-            refused.sample(&[("reason", why.as_str())], n as f64);
-        }
-        self.flow.wait.describe(
-            "prefix_router_queue_wait_seconds",
-            "How long requests that waited for an instance waited, served or refused.",
-            &mut out,
-        );
+        self.flow.describe(&mut out);
         let gauges: [(&str, bool, &str, u64); 8] = [
             (
                 "prefix_router_table_version",

@@ -57,6 +57,14 @@ pub(crate) fn record_route(
     );
 }
 
+/// How long the request waited in flow control's queue (since `since`), as `queue_ms` on its
+/// `route` span: whether it was then forwarded or refused.
+pub(crate) fn record_queue(span: &Span, since: std::time::Instant) {
+    if !span.is_disabled() {
+        span.record("queue_ms", since.elapsed().as_millis() as i64);
+    }
+}
+
 /// Records `values` (field name, value; `None` leaves a field empty) on `span` in ONE trip through
 /// the subscriber: each `Span::record` call is a span lookup and an extensions lock in the trace
 /// layer, so a span's fields are recorded together. Every name must be one the span declares

@@ -774,3 +774,135 @@ async fn sheddable_requests_leave_one_of_four_single_request_engines_to_the_othe
         assert_eq!(r.await.unwrap().status, 200);
     }
 }
+
+#[tokio::test]
+async fn requests_waiting_are_counted_per_tenant_and_priority() {
+    let (_cp, b, router) = one_at_a_time(|_| {}).await;
+    let url = router.url("/v1/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    at_backend(&b).await;
+    let send = |tenant: &str, priority: &str| {
+        spawn_post(
+            &url,
+            &[
+                ("x-prefix-router-tenant", tenant),
+                ("x-prefix-router-priority", priority),
+            ],
+            body(tenant),
+        )
+    };
+    let waiting = [
+        send("alpha", "standard"),
+        send("alpha", "standard"),
+        send("beta", "critical"),
+    ];
+    wait_queued(&router, 3.0).await;
+    let depth = |tenant: &'static str, priority: &'static str| {
+        let labels = format!("priority=\"{priority}\",tenant=\"{tenant}\"");
+        let router = &router;
+        async move { metric(router, "prefix_router_tenant_queue_depth{", &labels).await }
+    };
+    assert_eq!(depth("alpha", "standard").await, 2.0);
+    assert_eq!(depth("beta", "critical").await, 1.0);
+    assert_eq!(depth("other", "standard").await, 0.0);
+    assert_eq!(
+        metric(&router, "prefix_router_tenant_queue_depth{", "").await,
+        3.0,
+        "every waiter in one tenant's series"
+    );
+    b.set(Behavior::Echo);
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    for w in waiting {
+        assert_eq!(w.await.unwrap().status, 200);
+    }
+    wait_for("the tenants' depths are back to 0", WAIT, || async {
+        metric(&router, "prefix_router_tenant_queue_depth{", "").await == 0.0
+    })
+    .await;
+    assert_eq!(depth("alpha", "standard").await, 0.0);
+}
+
+/// What a streaming client has seen of its answer.
+#[derive(Debug)]
+enum Seen {
+    Head(u16, http::HeaderMap),
+    Data(bytes::Bytes),
+    End,
+}
+
+async fn next_seen(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Seen>) -> Seen {
+    tokio::time::timeout(WAIT, rx.recv())
+        .await
+        .expect("the client sees the stream go on")
+        .expect("the client task reports")
+}
+
+#[tokio::test]
+async fn a_streaming_request_that_waits_sees_nothing_until_forwarded_then_the_whole_stream() {
+    use http_body_util::BodyExt as _;
+    let (_cp, b, router) = one_at_a_time(|_| {}).await;
+    let url = router.url("/v1/chat/completions");
+    let first = spawn_post(&url, &[], body("first"));
+    at_backend(&b).await;
+    b.set(Behavior::Stream);
+    let streaming = serde_json::json!({
+        "model": "e",
+        "stream": true,
+        "messages": [{"role": "user", "content": "tell me a story"}],
+    });
+    let req = post_request(&url, &[], streaming.to_string());
+    let (seen, mut client_saw) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let resp = client().request(req).await.expect("an answer");
+        let _ = seen.send(Seen::Head(resp.status().as_u16(), resp.headers().clone()));
+        let mut body = resp.into_body();
+        while let Some(frame) = body.frame().await {
+            if let Some(data) = frame.expect("a whole body").data_ref() {
+                let _ = seen.send(Seen::Data(data.clone()));
+            }
+        }
+        let _ = seen.send(Seen::End);
+    });
+    wait_queued(&router, 1.0).await;
+    // the router has answered /metrics while the request waits: still nothing for the client
+    wait_queued(&router, 1.0).await;
+    assert!(
+        client_saw.try_recv().is_err(),
+        "a waiting streaming request gets no response bytes"
+    );
+    assert_eq!(b.hits(), 1, "and is not forwarded");
+
+    b.release();
+    assert_eq!(first.await.unwrap().status, 200);
+    let chunks = b.next_stream().await;
+    let Seen::Head(status, headers) = next_seen(&mut client_saw).await else {
+        panic!("the head comes first");
+    };
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    assert!(headers.contains_key("x-prefix-router-queued-ms"));
+    let events = [
+        "data: {\"choices\":[{\"delta\":{\"content\":\"once\"}}]}\n\n",
+        "data: {\"choices\":[{\"delta\":{\"content\":\" upon\"}}]}\n\n",
+        "data: [DONE]\n\n",
+    ];
+    for event in events {
+        chunks.send(bytes::Bytes::from(event)).await.unwrap();
+        // each event reaches the client as the engine sends it, not at the end
+        let mut got = Vec::new();
+        while got.len() < event.len() {
+            match next_seen(&mut client_saw).await {
+                Seen::Data(d) => got.extend_from_slice(&d),
+                other => panic!("expected the event {event:?}, got {other:?}"),
+            }
+        }
+        assert_eq!(String::from_utf8(got).unwrap(), event);
+    }
+    drop(chunks);
+    assert!(
+        matches!(next_seen(&mut client_saw).await, Seen::End),
+        "the stream ends whole"
+    );
+    wait_queued(&router, 0.0).await;
+}

@@ -43,19 +43,20 @@
 //! instance's in-flight count.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use tokio::sync::oneshot;
 
+mod metrics;
 mod rates;
+pub use metrics::{FlowMetrics, TenantSeries, OTHER_TENANT, TENANT_SERIES};
 pub use rates::{RateLimits, RateReport, RateState};
 
 use crate::config::Config;
 use crate::load::{now_ms, VariantLoad};
-use crate::metrics::Histogram;
 use crate::table::{RoutingTable, Strategy, Variant};
 
 pub const X_TENANT: HeaderName = HeaderName::from_static("x-prefix-router-tenant");
@@ -468,53 +469,6 @@ impl Refused {
     }
 }
 
-/// Flow-control metrics.
-#[derive(Debug)]
-pub struct FlowMetrics {
-    /// Requests waiting now, by priority (index: `Priority as usize`).
-    pub depth: [AtomicU64; 3],
-    /// Refusals by [`Refused`] (index: position in `Refused::ALL`).
-    pub refusals: [AtomicU64; 6],
-    /// How long requests that waited waited (served or not).
-    pub wait: Histogram,
-}
-
-/// Upper bounds of the queue-wait buckets, in nanoseconds (1 ms to 60 s).
-const WAIT_BUCKETS_NS: &[u64] = &[
-    1_000_000,
-    2_500_000,
-    5_000_000,
-    10_000_000,
-    25_000_000,
-    50_000_000,
-    100_000_000,
-    250_000_000,
-    500_000_000,
-    1_000_000_000,
-    2_500_000_000,
-    5_000_000_000,
-    10_000_000_000,
-    30_000_000_000,
-    60_000_000_000,
-];
-
-impl Default for FlowMetrics {
-    fn default() -> Self {
-        FlowMetrics {
-            depth: Default::default(),
-            refusals: Default::default(),
-            wait: Histogram::with_bounds(WAIT_BUCKETS_NS),
-        }
-    }
-}
-
-impl FlowMetrics {
-    pub fn refused(&self, why: Refused) {
-        let i = Refused::ALL.iter().position(|&r| r == why).unwrap_or(0);
-        self.refusals[i].fetch_add(1, Relaxed);
-    }
-}
-
 /// What a waiter is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Grant {
@@ -780,12 +734,21 @@ impl Queue {
     }
 }
 
+/// Where a waiter would rather go: a place freed on `instance` ([`instance_id`]) goes to it before
+/// the waiters ahead of it until `patient_until` (PREFIX_AWARE affinity; `None`: none).
+#[derive(Debug, Clone, Copy)]
+pub struct Home {
+    pub instance: usize,
+    pub patient_until: Option<Instant>,
+}
+
 /// A request's place in a variant's queue; leaving (drop) takes it out.
 pub struct Ticket<'a> {
     flow: &'a FlowControl,
     metrics: &'a FlowMetrics,
     load: Arc<VariantLoad>,
     who: Who,
+    series: TenantSeries,
     id: u64,
     wake: oneshot::Receiver<Grant>,
     /// Still in the variant's queue (not yet granted or shed).
@@ -793,18 +756,18 @@ pub struct Ticket<'a> {
 }
 
 impl<'a> Ticket<'a> {
-    /// Queues `who` on `load`'s variant (`front`: a waiter whose granted place was taken comes
-    /// back first), first in line for places on `home` ([`instance_id`]) until `patient_until`.
-    /// Refused when `--max-queued` wait already, unless a sheddable waiter of the variant can
-    /// give its place to a more urgent request.
+    /// Queues `who` (counted in its tenant's `series`) on `load`'s variant (`front`: a waiter
+    /// whose granted place was taken comes back first), first in line for places on its
+    /// [`Home`]. Refused when `--max-queued` wait already, unless a sheddable waiter of the
+    /// variant can give its place to a more urgent request.
     pub fn take(
         flow: &'a FlowControl,
         metrics: &'a FlowMetrics,
         load: &Arc<VariantLoad>,
         who: &Who,
+        series: TenantSeries,
         front: bool,
-        home: usize,
-        patient_until: Option<Instant>,
+        home: Home,
     ) -> Result<Self, Refused> {
         if flow.is_draining() {
             return Err(Refused::Draining);
@@ -833,18 +796,19 @@ impl<'a> Ticket<'a> {
         let waiter = Waiter {
             id,
             wake: tx,
-            home,
-            patient_until,
+            home: home.instance,
+            patient_until: home.patient_until,
         };
         waiting.push(who, waiter, front);
         queue.len.fetch_add(1, Relaxed);
         drop(waiting);
-        metrics.depth[who.priority as usize].fetch_add(1, Relaxed);
+        metrics.queued(who.priority, series);
         Ok(Ticket {
             flow,
             metrics,
             load: load.clone(),
             who: who.clone(),
+            series,
             id,
             wake: rx,
             queued: true,
@@ -878,7 +842,7 @@ impl<'a> Ticket<'a> {
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         self.flow.queued.fetch_sub(1, Relaxed);
-        self.metrics.depth[self.who.priority as usize].fetch_sub(1, Relaxed);
+        self.metrics.left(self.who.priority, self.series);
         if !self.queued {
             return;
         }

@@ -29,13 +29,13 @@ pub(crate) use self::request::invocation_endpoint;
 use self::request::routing_headers;
 use crate::access::{self, Access};
 use crate::config::Config;
-use crate::flow::{FlowControl, KeyPolicy, Priority, Refused, Ticket, Who, X_QUEUED_MS};
+use crate::flow::{FlowControl, Home, KeyPolicy, Priority, Refused, Ticket, Who, X_QUEUED_MS};
 use crate::load::{now_ms, InFlight};
 use crate::metrics::Metrics;
 use crate::placement::{Placement, Route, RouteRequest};
 use crate::prompt::BodyKind;
 use crate::response::{coded_error_response, error_response, json_response, ResponseBody};
-use crate::spans::{record_route, record_status, route_span};
+use crate::spans::{record_queue, record_route, record_status, route_span};
 use crate::table::RoutingTable;
 
 pub const X_ENDPOINT_NAME: HeaderName = HeaderName::from_static("x-endpoint-name");
@@ -74,6 +74,22 @@ enum Waited {
     Placed(Option<std::time::Instant>),
     /// Woken under a table no longer served: route again by this one (waiting since then).
     NewTable(Arc<RoutingTable>, std::time::Instant),
+}
+
+/// A request flow control did not let through: its answer (400 for a bad flow header, else a
+/// refusal), and when it began to wait if it did (its route span shows how long).
+struct NotPlaced {
+    response: Response<ResponseBody>,
+    waited_since: Option<std::time::Instant>,
+}
+
+impl From<Response<ResponseBody>> for NotPlaced {
+    fn from(response: Response<ResponseBody>) -> Self {
+        NotPlaced {
+            response,
+            waited_since: None,
+        }
+    }
 }
 
 /// A request to proxy, as dispatch found it: the body's kind, the endpoint named by the path
@@ -380,7 +396,12 @@ impl Router {
                     requeued = Some(since);
                     table = next;
                 }
-                Err(response) => return response,
+                Err(not) => {
+                    if let Some(since) = not.waited_since {
+                        record_queue(span, since);
+                    }
+                    return not.response;
+                }
             }
         };
         let in_flight = InFlight::start(
@@ -389,9 +410,9 @@ impl Router {
         );
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
-            if let Some(start) = queued {
-                span.record("queue_ms", start.elapsed().as_millis() as i64);
-            }
+        }
+        if let Some(start) = queued {
+            record_queue(span, start);
         }
         let exchange = Exchange {
             table: &table,
@@ -439,7 +460,8 @@ impl Router {
     /// Flow control ([`crate::flow`]): `Ok(Placed(None))` at once when the route's instance is
     /// below its in-flight limit and no one waits, or when another instance is (the route moves
     /// there); else the request waits its turn in the variant's queue (`Ok(Placed(Some(when it
-    /// began)))`, or `Ok(NewTable)` when woken under a table no longer served) or is refused. `requeued`: when the request began waiting under a table no longer served (it
+    /// began)))`, or `Ok(NewTable)` when woken under a table no longer served) or is refused
+    /// ([`NotPlaced`]). `requeued`: when the request began waiting under a table no longer served (it
     /// waits again at the front, to the same deadline).
     async fn wait_for_instance(
         &self,
@@ -449,9 +471,11 @@ impl Router {
         key: Option<&KeyPolicy>,
         deadline: &Pin<Box<Sleep>>,
         requeued: Option<std::time::Instant>,
-    ) -> Result<Waited, Response<ResponseBody>> {
+    ) -> Result<Waited, NotPlaced> {
         let v = route.variant;
-        let bad = |msg: String| self.unrouted(Some(table), 400, &msg, "invalid_request_error");
+        let bad = |msg: String| {
+            NotPlaced::from(self.unrouted(Some(table), 400, &msg, "invalid_request_error"))
+        };
         let priority = Priority::of(headers, key, v.default_priority()).map_err(bad)?;
         // the other flow headers too, so that a bad one is refused whether or not it would wait
         crate::flow::tenant_header(headers, key).map_err(bad)?;
@@ -476,25 +500,33 @@ impl Router {
             // no time to wait: refused without taking (or shedding) a place
             self.metrics.flow.wait.observe(start.elapsed());
             let second = std::time::Duration::from_secs(1);
-            return Err(self.flow_refusal(table, Refused::Timeout, timeout, second));
+            return Err(NotPlaced {
+                response: self.flow_refusal(table, Refused::Timeout, timeout, second),
+                waited_since: Some(start),
+            });
         }
+        // its tenant's series in the depth gauge, resolved once however often it queues
+        let series = self.metrics.flow.tenant_series(&who.tenant);
         let mut front = requeued.is_some();
-        let home = crate::flow::instance_id(v.instances()[route.instance].state());
+        let own = crate::flow::instance_id(v.instances()[route.instance].state());
         // PREFIX_AWARE: the first share of the wait goes to the instance whose cache has the prefix
         let patient_until = route.key.map(|_| {
             let wait = until.into_std().saturating_duration_since(start);
             start + wait.mul_f64(crate::flow::PATIENCE_SHARE)
         });
         let refused = loop {
-            let patient = patient_until.filter(|&t| std::time::Instant::now() < t);
+            let home = Home {
+                instance: own,
+                patient_until: patient_until.filter(|&t| std::time::Instant::now() < t),
+            };
             let mut ticket = match Ticket::take(
                 &self.flow,
                 &self.metrics.flow,
                 v.load(),
                 &who,
+                series,
                 front,
                 home,
-                patient,
             ) {
                 Ok(t) => t,
                 Err(r) => break r,
@@ -525,7 +557,10 @@ impl Router {
         };
         self.metrics.flow.wait.observe(start.elapsed());
         let second = std::time::Duration::from_secs(1);
-        Err(self.flow_refusal(table, refused, timeout, second))
+        Err(NotPlaced {
+            response: self.flow_refusal(table, refused, timeout, second),
+            waited_since: Some(start),
+        })
     }
 
     /// Moves `route` to the first instance below `limit` (PREFIX_AWARE: in the key's ranking; else
