@@ -2,7 +2,8 @@
 //! spans really exported by `telemetry::init` from an in-process control plane, data plane and
 //! engine-sim. One chat completion sent with a W3C `traceparent` shows up as one trace:
 //! client -> `route` -> `upstream` -> engine `completion` -> `queue` / `prefill` / `decode`, and the
-//! SDK's calls join the control plane's spans to the caller's trace.
+//! SDK's calls join the control plane's spans to the caller's trace. A request that waited in
+//! flow control's queue has `queue_ms` on its `route` span, forwarded or refused.
 //!
 //! Its own test binary, with one test: the global subscriber and tracer provider are per process.
 
@@ -13,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::otlp::start_collector;
+use integration_tests::fault::{Fault, FaultProxy};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use tokio::sync::{mpsc, Mutex};
@@ -332,4 +334,116 @@ async fn one_trace_links_client_router_and_engine() {
         })
         .await;
     assert!(root.parent_span_id.is_empty(), "a root span");
+
+    // Flow control: a request that waited shows how long on its route span (`queue_ms`), whether
+    // it was then forwarded or refused. Endpoint `queued` has one instance that takes one request
+    // at a time, behind a proxy that holds the first request until the test lets it through.
+    let held = FaultProxy::start(
+        fleet
+            .engine_url
+            .trim_start_matches("http://")
+            .parse()
+            .unwrap(),
+    )
+    .await;
+    held.set(Fault::BlackHole);
+    let mut one_at_a_time =
+        integration_tests::variant("v1", proto::RoutingStrategy::PrefixAware, &[&held.url()]);
+    if let Some(pa) = one_at_a_time
+        .routing_config
+        .as_mut()
+        .and_then(|c| c.prefix_aware_routing_config.as_mut())
+    {
+        pa.concurrency_threshold = 1;
+    }
+    let sdk = proto::client::Client::connect(fleet.control_plane.url.clone())
+        .await
+        .unwrap();
+    sdk.create_endpoint_config("queued", vec![one_at_a_time])
+        .await
+        .unwrap();
+    sdk.create_endpoint("queued", "queued").await.unwrap();
+    test_support::wait_for(
+        "the data plane to serve endpoint queued",
+        Duration::from_secs(20),
+        || async {
+            String::from_utf8_lossy(&fleet.get("/v1/models").await.body).contains("queued")
+        },
+    )
+    .await;
+    let (refused_trace, served_trace) = (
+        "7e1f0000000000000000000000000429",
+        "7e1f0000000000000000000000000200",
+    );
+    let traced = |trace: &str| format!("00-{trace}-{client_span}-01");
+    let (refused_parent, served_parent) = (traced(refused_trace), traced(served_trace));
+    let to_queued = ("x-endpoint-name", "queued");
+    let only_queued = [to_queued];
+    let first = fleet.chat("held until the test lets it through", &only_queued);
+    let waiters = async {
+        test_support::wait_for(
+            "the first request to reach the held instance",
+            Duration::from_secs(20),
+            || async { held.accepted() >= 1 },
+        )
+        .await;
+        let refused = fleet
+            .chat(
+                "no place within its deadline",
+                &[
+                    to_queued,
+                    ("x-prefix-router-queue-timeout-ms", "300"),
+                    ("traceparent", &refused_parent),
+                ],
+            )
+            .await;
+        let served_headers = [to_queued, ("traceparent", served_parent.as_str())];
+        let served = fleet.chat("waits, then goes on", &served_headers);
+        let release = async {
+            test_support::wait_for(
+                "a request waiting in the router",
+                Duration::from_secs(20),
+                || async {
+                    let metrics = fleet.get("/metrics").await;
+                    String::from_utf8_lossy(&metrics.body)
+                        .contains("prefix_router_queue_depth{priority=\"standard\"} 1")
+                },
+            )
+            .await;
+            held.set(Fault::Pass);
+        };
+        let (served, ()) = tokio::join!(served, release);
+        (refused, served)
+    };
+    let (first, (refused, served)) = tokio::join!(first, waiters);
+    assert_eq!(first.status, 200);
+    assert_eq!(
+        refused.status,
+        429,
+        "{}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert_eq!(
+        served.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&served.body)
+    );
+    for (trace, status, at_least) in [(refused_trace, 429, 300), (served_trace, 200, 0)] {
+        let route = received
+            .wait_for_spans("a waiter's route span", |spans| {
+                spans
+                    .iter()
+                    .map(|(_, s)| s)
+                    .find(|s| s.name == "route" && hex(&s.trace_id) == trace)
+                    .cloned()
+            })
+            .await;
+        assert_eq!(int_attr(&route, "status"), status);
+        let queue_ms = int_attr(&route, "queue_ms");
+        assert!(
+            (at_least..20_000).contains(&queue_ms),
+            "{status}: waited {queue_ms} ms"
+        );
+    }
 }
