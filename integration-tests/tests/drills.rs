@@ -775,3 +775,88 @@ async fn data_plane_restart_under_load() {
     .await
     .expect("drill 6 finishes within 120 s");
 }
+
+/// Drill 7: SIGTERM while requests wait in the data plane (flow control's queue, one place on one
+/// engine): every waiting request is answered at once (503 `shutting_down` with `Retry-After`),
+/// the one on the engine finishes, every client gets a whole HTTP answer, and the data plane
+/// exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_plane_sigterm_answers_the_requests_waiting_in_it() {
+    const WAITING: usize = 6;
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let mut fleet = Fleet::start(Spec {
+            engines: 1,
+            strategy: RoutingStrategy::Random,
+            router_args: fleet::args(&[
+                "--workers",
+                "1",
+                "--instance-max-in-flight",
+                "1",
+                "--shutdown-grace-ms",
+                "20000",
+            ]),
+            ..Spec::default()
+        })
+        .await;
+        let router = fleet.router_url(0);
+        // about a second on the engine each (5 ms a token), streaming and not
+        let clients: Vec<_> = (0..=WAITING as u64)
+            .map(|key| {
+                let (http, router) = (fleet.http.clone(), router.clone());
+                let req = Req {
+                    key,
+                    stream: key % 2 == 0,
+                    max_tokens: 200,
+                };
+                tokio::spawn(async move { fleet::chat_answer(&http, &router, &req).await })
+            })
+            .collect();
+        wait_for(
+            &format!("{WAITING} requests waiting in the data plane"),
+            Duration::from_secs(30),
+            || async {
+                metric(&fleet.metrics(0).await, "prefix_router_queue_depth", &[]) == WAITING as f64
+            },
+        )
+        .await;
+
+        let pid = fleet.routers[0].child.id() as libc::pid_t;
+        // SAFETY: signalling a child process this test started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let mut answers = Vec::new();
+        for c in clients {
+            answers.push(c.await.expect("client task"));
+        }
+        let child = &mut fleet.routers[0].child;
+        let exit = wait_for("the data plane to exit", Duration::from_secs(30), || {
+            let status = child.try_wait().expect("the child's status");
+            async move { status }
+        })
+        .await;
+        assert!(exit.success(), "the data plane exits 0 after draining: {exit}");
+
+        let tally: Vec<String> = answers
+            .iter()
+            .map(|a| format!("{} (retry-after {:?})", a.kind.name(), a.retry_after))
+            .collect();
+        let served = answers.iter().filter(|a| a.kind == Kind::Ok).count();
+        let refused = answers
+            .iter()
+            .filter(|a| a.kind == Kind::Error(503, "service_unavailable".into()))
+            .filter(|a| a.retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok_and(|s| s >= 1)))
+            .count();
+        assert_eq!(
+            served + refused,
+            answers.len(),
+            "every client is served or refused 503 with Retry-After: {tally:?}"
+        );
+        assert!(served >= 1, "the request on the engine finishes: {tally:?}");
+        assert!(refused >= 1, "waiting requests are answered 503: {tally:?}");
+        // what the engine served is what the clients got: nothing that waited was sent on unseen
+        let m = fleet.engine_metrics(0).await.expect("engine /metrics");
+        assert_eq!(metric(&m, "vllm:request_success_total", &[]) as usize, served);
+        println!("DRILL 7 SIGTERM with {WAITING} waiting | {served} served, {refused} refused 503 + Retry-After | exit {exit}");
+    })
+    .await
+    .expect("drill 7 finishes within 120 s");
+}

@@ -311,8 +311,23 @@ pub fn prompt(key: u64) -> String {
     format!("conversation {key:06}: please summarise the attached report in three bullet points")
 }
 
+/// What a client got back: how the request ended, the instance that served it and the
+/// `Retry-After` of a refusal.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub kind: Kind,
+    pub instance: Option<String>,
+    pub retry_after: Option<String>,
+}
+
 /// Sends one chat completion to `router` and classifies the outcome.
 pub async fn chat(http: &Http, router: &str, req: &Req) -> (Kind, Option<String>) {
+    let answer = chat_answer(http, router, req).await;
+    (answer.kind, answer.instance)
+}
+
+/// [`chat`], with the refusal's `Retry-After`.
+pub async fn chat_answer(http: &Http, router: &str, req: &Req) -> Answer {
     let body = serde_json::json!({
         "model": ENDPOINT,
         "max_tokens": req.max_tokens,
@@ -325,20 +340,48 @@ pub async fn chat(http: &Http, router: &str, req: &Req) -> (Kind, Option<String>
         .unwrap();
     match tokio::time::timeout(CLIENT_DEADLINE, exchange(http, request, req.stream)).await {
         Ok(r) => r,
-        Err(_) => (Kind::Hung, None),
+        Err(_) => Answer {
+            kind: Kind::Hung,
+            instance: None,
+            retry_after: None,
+        },
     }
 }
 
-async fn exchange(
-    http: &Http,
-    request: http::Request<Full<Bytes>>,
-    stream: bool,
-) -> (Kind, Option<String>) {
+async fn exchange(http: &Http, request: http::Request<Full<Bytes>>, stream: bool) -> Answer {
     let resp = match http.request(request).await {
         Ok(r) => r,
-        Err(e) if refused(&e) => return (Kind::Refused, None),
-        Err(e) => return (Kind::Transport(format!("{e:?}")), None),
+        Err(e) => {
+            let kind = if refused(&e) {
+                Kind::Refused
+            } else {
+                Kind::Transport(format!("{e:?}"))
+            };
+            return Answer {
+                kind,
+                instance: None,
+                retry_after: None,
+            };
+        }
     };
+    let retry_after = resp
+        .headers()
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    let (kind, instance) = classify(resp, stream).await;
+    Answer {
+        kind,
+        instance,
+        retry_after,
+    }
+}
+
+/// How a response ended, and the instance that served it.
+async fn classify(
+    resp: http::Response<hyper::body::Incoming>,
+    stream: bool,
+) -> (Kind, Option<String>) {
     let status = resp.status().as_u16();
     let instance = resp
         .headers()
