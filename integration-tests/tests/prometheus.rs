@@ -1,9 +1,9 @@
 //! Real Prometheus tooling on the servers' `/metrics`: `promtool check metrics` flags nothing on
 //! the data plane's and the control plane's, and nothing on engine-sim's but vLLM's own `vllm:`
 //! colon names; every metric the Grafana dashboard (`deploy/grafana/prefix-router.json`) queries
-//! is one the binaries export, and its queries are valid PromQL (`promtool check rules`).
-//! Skipped (with the reason) when promtool is missing, except under CI=true (Debian's
-//! `prometheus` package ships it; `.ci/run` installs it).
+//! is one the binaries export (checked without promtool), and its queries are valid PromQL
+//! (`promtool check rules`). The promtool checks are skipped (with the reason) when it is
+//! missing, except under CI=true (Debian's `prometheus` package ships it; `.ci/run` installs it).
 
 mod common;
 
@@ -95,8 +95,8 @@ async fn http_get(url: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn promtool_accepts_every_servers_metrics_and_the_dashboard_queries_exported_names() {
-    let test = "promtool_accepts_every_servers_metrics_and_the_dashboard_queries_exported_names";
+async fn promtool_accepts_every_servers_metrics_and_the_dashboard_queries() {
+    let test = "promtool_accepts_every_servers_metrics_and_the_dashboard_queries";
     if require_tool(test, promtool_available()).is_none() {
         return;
     }
@@ -117,23 +117,11 @@ async fn promtool_accepts_every_servers_metrics_and_the_dashboard_queries_export
         );
     }
 
-    // The dashboard: every metric its queries name is exported, every query parses.
-    let exported: BTreeSet<String> = [&router, &control_plane, &engine]
-        .iter()
-        .flat_map(|text| sample_names(text))
-        .collect();
+    // The dashboard: every query parses (that each names exported metrics is
+    // `the_dashboard_queries_only_metrics_the_binaries_export`, which needs no promtool).
     let queries = dashboard_queries();
-    assert!(queries.len() >= 10, "{queries:?}");
     let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
-    for (i, (panel, expr)) in queries.iter().enumerate() {
-        let names = metric_names(expr);
-        assert!(!names.is_empty(), "panel {panel:?}: no metric in {expr}");
-        for name in &names {
-            assert!(
-                exported.contains(name),
-                "panel {panel:?} queries {name}, which no binary exports ({expr})"
-            );
-        }
+    for (i, (_, expr)) in queries.iter().enumerate() {
         let promql = expr.replace("$__rate_interval", "1m");
         rules.push_str(&format!(
             "      - record: dashboard:query_{i}\n        expr: {}\n",
@@ -148,6 +136,40 @@ async fn promtool_accepts_every_servers_metrics_and_the_dashboard_queries_export
         ok,
         "the dashboard's queries are not valid PromQL:\n{out}\n{rules}"
     );
+}
+
+/// Every metric the dashboard's queries name is one a binary exports after some traffic, and the
+/// flow-control panels (waiting by priority and by tenant, wait time, refusals) are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_queries_only_metrics_the_binaries_export() {
+    let fleet = Fleet::start_with_control_plane_metrics().await;
+    let (router, control_plane, engine) = scrape_after_traffic(&fleet).await;
+    let exported: BTreeSet<String> = [&router, &control_plane, &engine]
+        .iter()
+        .flat_map(|text| sample_names(text))
+        .collect();
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 10, "{queries:?}");
+    let mut queried = BTreeSet::new();
+    for (panel, expr) in &queries {
+        let names = metric_names(expr);
+        assert!(!names.is_empty(), "panel {panel:?}: no metric in {expr}");
+        for name in names {
+            assert!(
+                exported.contains(&name),
+                "panel {panel:?} queries {name}, which no binary exports ({expr})"
+            );
+            queried.insert(name);
+        }
+    }
+    for flow in [
+        "prefix_router_queue_depth",
+        "prefix_router_tenant_queue_depth",
+        "prefix_router_queue_wait_seconds_bucket",
+        "prefix_router_queue_refusals_total",
+    ] {
+        assert!(queried.contains(flow), "no dashboard panel shows {flow}");
+    }
 }
 
 /// (panel title, query) for every target of every panel.
