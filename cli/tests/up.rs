@@ -8,10 +8,10 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
-use test_support::wait_for_blocking;
+use test_support::{at_timeout, wait_for_blocking};
 
 /// A running `prefixctl up`, killed on drop if the test failed before stopping it.
 struct Up {
@@ -105,18 +105,17 @@ impl Up {
         let pid = libc::pid_t::try_from(self.child.id()).unwrap();
         // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
         assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill failed");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "prefixctl up still running 5 s after signal {signal}; stderr:\n{}",
-                self.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let stderr = self.stderr.clone();
+        wait_for_blocking(
+            &at_timeout(move || {
+                format!(
+                    "prefixctl up to exit after signal {signal}; stderr:\n{}",
+                    stderr.lock().unwrap()
+                )
+            }),
+            Duration::from_secs(5),
+            || self.child.try_wait().unwrap(),
+        )
     }
 }
 

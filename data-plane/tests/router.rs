@@ -7,7 +7,6 @@ use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use data_plane::Config;
@@ -1011,9 +1010,19 @@ async fn shutdown_answers_the_first_request_of_a_connection_opened_before_it() {
     ));
     let mut router = RouterHandle::watching(&cp, "r").await;
     router.wait_version(1).await;
+    // The connection is accepted (handed to a worker) before the shutdown and its first request
+    // not read yet: the case a graceful close of idle connections would reset.
+    let gauge = ConnectionGauge::new(&router);
+    wait_for("only the gauge's connection is open", WAIT, || async {
+        gauge.total().await == 1
+    })
+    .await;
     let mut early = tokio::net::TcpStream::connect(router.addr).await.unwrap();
-    // Accepted or still in the listen backlog: the router must answer it either way.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    wait_for("the router accepted the early connection", WAIT, || async {
+        gauge.total().await == 2
+    })
+    .await;
+    drop(gauge);
     let serve = router.begin_shutdown();
     let addr = router.addr;
     wait_for("the listener is closed", WAIT, || async {
@@ -1138,28 +1147,9 @@ async fn connections_are_spread_evenly_over_the_worker_threads() {
     let router = RouterHandle::watching_on_workers(&cp, "r", 3).await;
     router.wait_version(1).await;
     // One connection reads the metrics throughout; the others (readiness polls) are gone first.
-    let metrics_client = client();
-    let metrics = || async {
-        let req = http::Request::get(router.url("/metrics"))
-            .body(http_body_util::Empty::new().map_err(|e| match e {}).boxed())
-            .unwrap();
-        let r = metrics_client.request(req).await.unwrap();
-        String::from_utf8(r.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
-    };
-    let open = |m: &str| -> Vec<u64> {
-        (0..3)
-            .map(|w| {
-                let prefix = format!("prefix_router_worker_connections{{worker=\"{w}\"}} ");
-                m.lines()
-                    .find_map(|l| l.strip_prefix(prefix.as_str()))
-                    .unwrap()
-                    .parse()
-                    .unwrap()
-            })
-            .collect()
-    };
+    let gauge = ConnectionGauge::new(&router);
     wait_for("only the metrics connection is open", WAIT, || async {
-        open(&metrics().await).iter().sum::<u64>() == 1
+        gauge.total().await == 1
     })
     .await;
     // 8 more client connections held open (keep-alive), one request each: 9 over 3 workers
@@ -1179,6 +1169,6 @@ async fn connections_are_spread_evenly_over_the_worker_threads() {
         r.into_body().collect().await.unwrap();
         held.push(c);
     }
-    assert_eq!(open(&metrics().await), vec![3, 3, 3]);
+    assert_eq!(gauge.per_worker().await, vec![3, 3, 3]);
     drop(held);
 }

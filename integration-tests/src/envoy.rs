@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use test_support::{at_timeout, wait_for};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 /// `Ok(path)` when `envoy --version` runs, else why not.
@@ -124,29 +125,31 @@ impl Envoy {
             url: String::new(),
             log,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(Some(status)) = envoy.child.try_wait() {
-                panic!("envoy exited ({status}): {}", envoy.logs());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "envoy did not listen within 30 s: {}",
-                envoy.logs()
-            );
-            let admin = std::fs::read_to_string(&admin_file).unwrap_or_default();
-            if let Some(port) = listener_port(admin.trim()).await {
-                envoy.url = format!("http://127.0.0.1:{port}");
-                return envoy;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let log = envoy.log.clone();
+        let port = wait_for(
+            &at_timeout(|| format!("envoy to listen: {}", read_log(&log))),
+            Duration::from_secs(30),
+            || {
+                if let Ok(Some(status)) = envoy.child.try_wait() {
+                    panic!("envoy exited ({status}): {}", envoy.logs());
+                }
+                let admin = std::fs::read_to_string(&admin_file).unwrap_or_default();
+                async move { listener_port(admin.trim()).await }
+            },
+        )
+        .await;
+        envoy.url = format!("http://127.0.0.1:{port}");
+        envoy
     }
 
     /// What Envoy logged so far.
     pub fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        read_log(&self.log)
     }
+}
+
+fn read_log(log: &Path) -> String {
+    std::fs::read_to_string(log).unwrap_or_default()
 }
 
 impl Drop for Envoy {

@@ -445,7 +445,10 @@ async fn a_router_moves_to_the_next_replica_when_its_replica_dies() {
             }
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for("the load under way", Duration::from_secs(10), || async {
+        sent.load(Ordering::Relaxed) >= 20
+    })
+    .await;
     a.kill9();
     let killed = Instant::now();
     wait_for(

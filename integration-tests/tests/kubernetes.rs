@@ -23,7 +23,7 @@ use integration_tests::deploy::{
 };
 use manifests::strings;
 use serde_yaml_ng::Value;
-use test_support::{python_modules, require_tool, wait_for_blocking, ChildServer};
+use test_support::{poll_blocking, python_modules, require_tool, wait_for_blocking, ChildServer};
 
 mod manifests;
 
@@ -1854,23 +1854,19 @@ impl<'a> LocalCluster<'a> {
                 .spawn()
                 .unwrap();
             let seconds = probe["timeoutSeconds"].as_u64().unwrap_or(1);
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
-            loop {
-                if let Some(status) = child.try_wait().unwrap() {
-                    return match status.success() {
-                        true => Ok(()),
-                        false => Err(format!(
-                            "{argv:?}: {status}: {}",
-                            std::fs::read_to_string(&err).unwrap_or_default()
-                        )),
-                    };
-                }
-                if std::time::Instant::now() > deadline {
+            let limit = std::time::Duration::from_secs(seconds);
+            let every = std::time::Duration::from_millis(20);
+            match poll_blocking(limit, every, || child.try_wait().unwrap()) {
+                Some(status) if status.success() => Ok(()),
+                Some(status) => Err(format!(
+                    "{argv:?}: {status}: {}",
+                    std::fs::read_to_string(&err).unwrap_or_default()
+                )),
+                None => {
                     let _ = child.kill();
                     let _ = child.wait();
-                    return Err(format!("{argv:?}: no answer in {seconds} s"));
+                    Err(format!("{argv:?}: no answer in {seconds} s"))
                 }
-                std::thread::sleep(std::time::Duration::from_millis(20));
             }
         }
     }
@@ -1883,22 +1879,31 @@ impl<'a> LocalCluster<'a> {
             if self.pods[p].workload != index {
                 continue;
             }
-            loop {
-                let pod = &self.pods[p];
-                let Err(why) = self.probe(pod, container, &container["readinessProbe"]) else {
-                    break;
-                };
-                let exited = self.pods[p].child.as_mut().unwrap().try_wait().unwrap();
-                let pod = &self.pods[p];
-                assert!(
-                    exited.is_none() && std::time::Instant::now() < deadline,
-                    "{} is not ready ({}; probe: {why}): {}",
-                    pod.name,
-                    exited.map_or("still running".to_string(), |s| s.to_string()),
-                    self.log(pod)
-                );
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
+            let mut last_failure = String::new();
+            let mut exited = None;
+            // Every 100 ms: an exec probe starts a process each time.
+            let ready = poll_blocking(
+                deadline.saturating_duration_since(std::time::Instant::now()),
+                std::time::Duration::from_millis(100),
+                || {
+                    let Err(why) =
+                        self.probe(&self.pods[p], container, &container["readinessProbe"])
+                    else {
+                        return true;
+                    };
+                    last_failure = why;
+                    exited = self.pods[p].child.as_mut().unwrap().try_wait().unwrap();
+                    exited.is_some()
+                },
+            );
+            let pod = &self.pods[p];
+            assert!(
+                ready.is_some() && exited.is_none(),
+                "{} is not ready ({}; probe: {last_failure}): {}",
+                pod.name,
+                exited.map_or("still running".to_string(), |s| s.to_string()),
+                self.log(pod)
+            );
         }
     }
 }

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
@@ -22,7 +22,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
-use test_support::wait_for;
+use test_support::{at_timeout, wait_for};
 
 /// The tests share two cores: one fleet of llama-servers at a time.
 static ONE_FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -135,24 +135,24 @@ impl LlamaServer {
 
     /// Waits (up to `limit`) for the `listening on http://HOST:PORT` line and keeps its URL.
     async fn started(&mut self, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        loop {
-            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-            if let Some(url) = text
-                .lines()
-                .find_map(|l| l.split("listening on ").nth(1))
-                .map(|u| u.trim().trim_end_matches('/').to_string())
-            {
-                self.url = url;
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "llama-server did not say where it listens within {limit:?}; its log ends:\n{}",
-                self.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let this = &*self;
+        let url = wait_for(
+            &at_timeout(|| {
+                format!(
+                    "llama-server to say where it listens; its log ends:\n{}",
+                    this.log_tail()
+                )
+            }),
+            limit,
+            || async {
+                let text = std::fs::read_to_string(&this.log).unwrap_or_default();
+                text.lines()
+                    .find_map(|l| l.split("listening on ").nth(1))
+                    .map(|u| u.trim().trim_end_matches('/').to_string())
+            },
+        )
+        .await;
+        self.url = url;
     }
 
     fn log_tail(&self) -> String {
@@ -209,19 +209,19 @@ async fn start_fleet_with_cache(
         s.started(Duration::from_secs(60)).await;
     }
     for s in &servers {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some((200, _)) = get(http, &format!("{}/health", s.url)).await {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "llama-server {} not healthy within 60 s; its log ends:\n{}",
-                s.url,
-                s.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let health = format!("{}/health", s.url);
+        wait_for(
+            &at_timeout(|| {
+                format!(
+                    "llama-server {} to be healthy; its log ends:\n{}",
+                    s.url,
+                    s.log_tail()
+                )
+            }),
+            Duration::from_secs(60),
+            || async { matches!(get(http, &health).await, Some((200, _))) },
+        )
+        .await;
     }
     servers
 }

@@ -19,4 +19,4 @@ pub mod wait;
 pub use child::{bin, unused_port, unused_url, ChildServer};
 pub use http_stub::{HttpStub, StubReply, StubRequest};
 pub use skip::{python_modules, require_tool, skip};
-pub use wait::{wait_for, wait_for_blocking, Condition};
+pub use wait::{at_timeout, poll_blocking, wait_for, wait_for_blocking, Condition};

@@ -569,6 +569,41 @@ pub fn client() -> Client<HttpConnector, ClientBody> {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }
 
+/// The router's open client connections (`prefix_router_worker_connections`), read from its
+/// /metrics over one kept-alive connection: the reading itself counts as exactly one of them.
+pub struct ConnectionGauge {
+    client: Client<HttpConnector, ClientBody>,
+    url: String,
+}
+
+impl ConnectionGauge {
+    pub fn new(router: &RouterHandle) -> Self {
+        ConnectionGauge {
+            client: client(),
+            url: router.url("/metrics"),
+        }
+    }
+
+    /// The open connections of each worker thread, in worker order.
+    pub async fn per_worker(&self) -> Vec<u64> {
+        let req = Request::get(&self.url)
+            .body(Full::new(Bytes::new()).boxed())
+            .unwrap();
+        let r = self.client.request(req).await.unwrap();
+        let m = r.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8_lossy(&m)
+            .lines()
+            .filter_map(|l| l.strip_prefix("prefix_router_worker_connections{worker=\""))
+            .map(|l| l.split_once("} ").unwrap().1.parse().unwrap())
+            .collect()
+    }
+
+    /// The open connections over all workers.
+    pub async fn total(&self) -> u64 {
+        self.per_worker().await.iter().sum()
+    }
+}
+
 #[derive(Debug)]
 pub struct Reply {
     pub status: u16,
