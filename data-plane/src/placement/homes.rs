@@ -151,29 +151,22 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
             index: index as u32,
             id_hash: hashes[index],
         };
-        if r > 1 {
+        if r > 1 && copies[i] {
             first.clear();
             first.push(top);
-            first.extend(walk.by_ref().take(r - 1));
-            if copies[i] && first.iter().all(|&j| room(&held, j)) {
+            first.extend(RendezvousWalk::new(hashes, key, top, score).take(r - 1));
+            if first.iter().all(|&j| room(&held, j)) {
                 // spread over replicas: it takes room in each
                 first.iter().for_each(|&i| held[i] += 1);
                 copied.push(key);
                 continue;
             }
-            // The caches have no room for its copies: one instance, the first of its ranking
-            // with room (a home, even if that is its top choice, so that placement does not
-            // spread it).
-            let one = first
-                .iter()
-                .copied()
-                .chain(walk)
-                .find(|&i| room(&held, i))
-                .unwrap_or(top);
-            held[one] += 1;
-            out.push(home(one));
-            continue;
         }
+        // A hot key whose copies have no room is placed as any other key (a router's estimate
+        // of which keys are hot is its own; where it placed them apart from the others, routers
+        // whose estimates differed disagreed), and gets a home even on its top choice, so that
+        // placement does not spread it.
+        let pin = r > 1;
         // A home is kept while it is no more crowded than the top choice (moving back would
         // be a move too), unless the caches are known to be full: the pass is then a function
         // of the reused keys and the bound alone, as replicas must agree where each
@@ -195,6 +188,9 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         }
         if room(&held, top) && held[top] as f64 <= held[best] as f64 + slack {
             held[top] += 1;
+            if pin {
+                out.push(home(top));
+            }
             continue;
         }
         // the emptiest of its first choices, else (all of them full) the first instance of
@@ -206,7 +202,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
             walk.find(|&i| room(&held, i)).unwrap_or(best)
         };
         held[to] += 1;
-        if to != top {
+        if to != top || pin {
             out.push(home(to));
         }
     }
@@ -240,8 +236,13 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
 /// passes' copies, 7 keys where 2 fit, and each step waited for its own evidence; their
 /// revisits miss 60-70%, so the estimate is 2 at once. The even spread at once confined
 /// engine-sim's long-context fleet, an instance at 14 of 62 keys missing 21%, to 9 each, and
-/// the hot keys lost their replicas.) An instance that overflows at an even spread teaches nothing: counting cannot
-/// help it (and relief stands down while a bound is known). After
+/// the hot keys lost their replicas.) An instance that overflows at an even spread or less
+/// bounds the pass to the even spread: counting cannot give it fewer keys, but it shows that the
+/// caches have no room for copies, whoever placed what fills it. (Where routers disagree, an
+/// engine holds more than any one router counted onto it: on 4 routers before 4 llama-servers
+/// whose caches held 2 of 8 documents, routers whose overflowing instances held 2 by their own
+/// count learnt no bound for 20-40 s, and one spread every hot document over every instance,
+/// 5-7 documents each, in the meantime.) Relief stands down while a bound is known. After
 /// [`Tuning::home_probe_passes`] passes with no overflow the bound rises by one, and is forgotten
 /// once no instance reaches it. Copies' revisits count too, but only after the variant's
 /// revisits missed following a pass that spread copies (see
@@ -270,6 +271,15 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
         let cache = instance.state().cache();
         let plain = cache.take_miss_rate();
         let copies = cache.take_copy_miss_rate().filter(|_| copies_overflowed);
+        tracing::debug!(
+            variant = v.name(),
+                instance = i,
+            ?plain,
+            ?copies,
+            k = held_at(i, hashes[i]),
+            even,
+            "revisits since the last pass"
+        );
         let Some(missed) = plain
             .into_iter()
             .chain(copies)
@@ -280,11 +290,14 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
         };
         overflowed = true;
         let k = held_at(i, hashes[i]);
-        if k > even {
-            // the cache holds about k * (1 - missed) (see above)
-            let holds = ((f64::from(k) * (1.0 - missed)).floor() as u32).clamp(even, k - 1);
-            cap = Some(cap.map_or(holds, |c| c.min(holds)));
-        }
+        // the cache holds about k * (1 - missed) (see above); one that overflows at an even
+        // spread or less is bounded to the even spread: counting cannot give it fewer, but
+        // copies would only add to what already does not fit
+        let holds = match k > even {
+            true => ((f64::from(k) * (1.0 - missed)).floor() as u32).clamp(even, k - 1),
+            false => even,
+        };
+        cap = Some(cap.map_or(holds, |c| c.min(holds)));
     }
     let mut calm = if overflowed { 0 } else { homes.calm() + 1 };
     if calm >= t.home_probe_passes {

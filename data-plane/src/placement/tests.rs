@@ -1301,6 +1301,31 @@ fn cold_documents_evicted_by_age_teach_no_bound() {
     }
 }
 
+/// The first instance of `v` held `k` of the reused keys by the last pass (the others
+/// `others`), and 8 revisits of reused keys there got `misses` misses.
+fn revisits_on_the_first_instance(v: &Variant, k: u32, others: u32, misses: usize) {
+    let t = Tuning::default();
+    let held: Vec<(u64, u32)> = v
+        .id_hashes()
+        .iter()
+        .enumerate()
+        .map(|(i, &h)| (h, if i == 0 { k } else { others }))
+        .collect();
+    v.load().homes().store_held(held);
+    let cache = v.instances()[0].state().cache();
+    for j in 0..8 {
+        let report = if j < misses { MISS } else { HIT };
+        v.load().feedback().learn(
+            Rule::PrefixHash,
+            Visit::ReusedRevisit,
+            report,
+            now_ms(),
+            &t.feedback,
+            cache,
+        );
+    }
+}
+
 #[test]
 fn an_overflow_bounds_an_instance_to_about_what_its_revisits_show_it_holds() {
     // An instance given k of the reused keys whose revisits miss a share m of the time holds
@@ -1308,35 +1333,39 @@ fn an_overflow_bounds_an_instance_to_about_what_its_revisits_show_it_holds() {
     // spread of 62 keys over 7 would be 9, and took the hot keys' replicas away on engine-sim's
     // long-context fleet); 7 keys missing 70% are 2, and never fewer than an even spread.
     let t = Tuning::default();
-    let now = now_ms();
     for (k, misses, reused, expected) in [(14u32, 2, 62, 10), (7, 6, 8, 2), (7, 8, 20, 3)] {
         let table = prefix_aware_table(7);
         let v = variant_of(&table);
-        let hashes = v.id_hashes().to_vec();
-        let held: Vec<(u64, u32)> = hashes
-            .iter()
-            .enumerate()
-            .map(|(i, &h)| (h, if i == 0 { k } else { 1 }))
-            .collect();
-        v.load().homes().store_held(held);
-        let cache = v.instances()[0].state().cache();
-        for j in 0..8 {
-            let report = if j < misses { MISS } else { HIT };
-            v.load().feedback().learn(
-                Rule::PrefixHash,
-                Visit::ReusedRevisit,
-                report,
-                now,
-                &t.feedback,
-                cache,
-            );
-        }
+        revisits_on_the_first_instance(v, k, 1, misses);
         assert_eq!(
             homes::learn_capacity(v, reused, &t),
             Some(expected),
             "{k} keys, {misses} of 8 revisits missed, {reused} reused"
         );
     }
+}
+
+#[test]
+fn an_overflow_at_an_even_spread_bounds_the_caches_to_it() {
+    // Routers that disagree put more on an engine than any one of them counted there: an
+    // instance this router gave an even spread of the reused keys (2 of 8 on 4) or fewer, whose
+    // revisits miss, shows that the caches have no room for copies, whoever filled it. The
+    // bound is the even spread (no fewer: the keys must go somewhere). Before, such an overflow
+    // taught nothing, and the router went on spreading hot keys by share over caches that held
+    // 2 documents (on 4 llama-servers, one router for 20-40 s, 5-7 documents per instance).
+    let t = Tuning::default();
+    for k in [0u32, 1, 2] {
+        let table = prefix_aware_table(4);
+        let v = variant_of(&table);
+        revisits_on_the_first_instance(v, k, 2, 3);
+        assert_eq!(homes::learn_capacity(v, 8, &t), Some(2), "{k} keys held");
+        assert_eq!(v.load().homes().capacity(), Some(2), "{k} keys held");
+    }
+    // revisits that hit at an even spread teach no bound
+    let table = prefix_aware_table(4);
+    let v = variant_of(&table);
+    revisits_on_the_first_instance(v, 2, 2, 0);
+    assert_eq!(homes::learn_capacity(v, 8, &t), None);
 }
 
 #[test]
