@@ -9,37 +9,19 @@ use std::time::Duration;
 use bytes::Bytes;
 use data_plane::Config;
 use support::*;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use test_support::{HttpStub, StubReply};
 
 /// A model server that answers each request with a head and `first` (one chunk of a chunked
 /// body; none when empty), then either closes the connection mid-body or holds it open forever.
-async fn breaking_server(content_type: &'static str, first: &'static str, close: bool) -> String {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut seen = Vec::new();
-                if test_support::http_stub::read_request(&mut s, &mut seen)
-                    .await
-                    .is_none()
-                {
-                    return;
-                }
-                let mut reply = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
-                );
-                if !first.is_empty() {
-                    reply.push_str(&format!("{:x}\r\n{first}\r\n", first.len()));
-                }
-                if s.write_all(reply.as_bytes()).await.is_err() || close {
-                    return;
-                }
-                let _ = s.read(&mut [0u8; 1]).await; // held until the router gives up
-            });
+fn breaking_server(content_type: &'static str, first: &'static str, close: bool) -> HttpStub {
+    HttpStub::start(move |_| {
+        let chunks: &[&str] = if first.is_empty() { &[] } else { &[first] };
+        let reply = StubReply::cut_chunked(content_type, chunks);
+        match close {
+            true => reply.then_close(),
+            false => reply.then_hold(), // held until the router gives up
         }
-    });
-    url
+    })
 }
 
 async fn router_over(url: &str, timeout_ms: u64) -> (MockControlPlane, RouterHandle) {
@@ -85,7 +67,8 @@ const STREAM: &str = r#"{"model":"e","stream":true,"messages":[{"role":"user","c
 
 #[tokio::test]
 async fn an_event_stream_cut_by_the_instance_ends_with_an_error_event_and_counts_against_it() {
-    let url = breaking_server("text/event-stream", "data: {\"n\":0}\n\n", true).await;
+    let stub = breaking_server("text/event-stream", "data: {\"n\":0}\n\n", true);
+    let url = stub.url.clone();
     let (_cp, router) = router_over(&url, 30_000).await;
     let chat = router.url("/v1/chat/completions");
     for _ in 0..3 {
@@ -110,7 +93,8 @@ async fn an_event_stream_cut_by_the_instance_ends_with_an_error_event_and_counts
 
 #[tokio::test]
 async fn a_stream_cut_inside_an_event_closes_it_before_the_error_event() {
-    let url = breaking_server("text/event-stream", "data: {\"n\":0}\n\ndata: {\"n\"", true).await;
+    let stub = breaking_server("text/event-stream", "data: {\"n\":0}\n\ndata: {\"n\"", true);
+    let url = stub.url.clone();
     let (_cp, router) = router_over(&url, 30_000).await;
     let (_, text, clean) = read_all(&router.url("/v1/chat/completions"), STREAM).await;
     assert!(clean);
@@ -124,7 +108,8 @@ async fn a_stream_cut_inside_an_event_closes_it_before_the_error_event() {
 
 #[tokio::test]
 async fn a_stream_that_stalls_ends_at_the_deadline_with_a_timeout_event() {
-    let url = breaking_server("text/event-stream", "data: {\"n\":0}\n\n", false).await;
+    let stub = breaking_server("text/event-stream", "data: {\"n\":0}\n\n", false);
+    let url = stub.url.clone();
     let (_cp, router) = router_over(&url, 500).await;
     let started = std::time::Instant::now();
     let (status, text, clean) = read_all(&router.url("/v1/chat/completions"), STREAM).await;
@@ -212,7 +197,8 @@ async fn a_5xx_passed_through_is_no_success_when_its_body_ends() {
 
 #[tokio::test]
 async fn a_json_body_that_fails_before_its_first_byte_is_retried_or_answered_502() {
-    let url = breaking_server("application/json", "", true).await;
+    let stub = breaking_server("application/json", "", true);
+    let url = stub.url.clone();
     let body = r#"{"model":"e","messages":[{"role":"user","content":"hi"}]}"#;
     // alone: nothing reached the client yet, so a contract error
     let (_cp, router) = router_over(&url, 30_000).await;
@@ -247,7 +233,8 @@ async fn a_json_body_that_fails_before_its_first_byte_is_retried_or_answered_502
 
 #[tokio::test]
 async fn a_json_body_cut_after_its_head_fails_the_clients_read() {
-    let url = breaking_server("application/json", "{\"id\":\"x\",\"choi", true).await;
+    let stub = breaking_server("application/json", "{\"id\":\"x\",\"choi", true);
+    let url = stub.url.clone();
     let (_cp, router) = router_over(&url, 30_000).await;
     let body = r#"{"model":"e","messages":[{"role":"user","content":"hi"}]}"#;
     let req = post_request(&router.url("/v1/chat/completions"), &[], body);

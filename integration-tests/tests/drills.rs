@@ -20,8 +20,7 @@ use fleet::{
 };
 use integration_tests::fault::Fault;
 use proto::RoutingStrategy;
-use test_support::wait_for;
-use tokio::io::AsyncWriteExt as _;
+use test_support::{wait_for, HttpStub, StubReply};
 
 /// Keys the drills use: few enough that every key stays cold (placed by its rendezvous ranking
 /// alone) for the length of a drill.
@@ -287,34 +286,28 @@ enum Garbage {
 }
 
 /// A server that answers every request with `mode`'s garbage.
-async fn garbage_server(mode: Garbage) -> std::net::SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut seen = Vec::new();
-                while let Some(request) =
-                    test_support::http_stub::read_request(&mut s, &mut seen).await
-                {
-                    let stream = String::from_utf8_lossy(&request.body).contains("\"stream\":true");
-                    let reply: &[u8] = match mode {
-                        Garbage::Invalid => b"SPDY/9 wat\r\n\x00\x01garbage\r\n\r\n",
-                        Garbage::ServerError => b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 52\r\n\r\n{\"error\":{\"message\":\"boom\",\"type\":\"server_error\"}}  ",
-                        Garbage::TruncatedChunked if stream => b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n16\r\ndata: {\"choices\":[]}\n\n\r\n",
-                        Garbage::TruncatedChunked => b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\nf\r\n{\"id\":\"x\",\"choi\r\n",
-                    };
-                    if s.write_all(reply).await.is_err() {
-                        return;
-                    }
-                    if !matches!(mode, Garbage::ServerError) {
-                        return; // close: invalid or cut short
-                    }
-                }
-            });
+fn garbage_server(mode: Garbage) -> HttpStub {
+    HttpStub::start(move |request| {
+        let stream = String::from_utf8_lossy(&request.body).contains("\"stream\":true");
+        match mode {
+            Garbage::Invalid => {
+                StubReply::raw(&b"SPDY/9 wat\r\n\x00\x01garbage\r\n\r\n"[..]).then_close()
+            }
+            // kept alive: a 500 storm on one connection
+            Garbage::ServerError => StubReply::new(
+                500,
+                "application/json",
+                r#"{"error":{"message":"boom","type":"server_error"}}  "#,
+            ),
+            Garbage::TruncatedChunked if stream => {
+                StubReply::cut_chunked("text/event-stream", &["data: {\"choices\":[]}\n\n"])
+                    .then_close()
+            }
+            Garbage::TruncatedChunked => {
+                StubReply::cut_chunked("application/json", &["{\"id\":\"x\",\"choi"]).then_close()
+            }
         }
-    });
-    addr
+    })
 }
 
 /// Drill 3: an engine that answers garbage (invalid HTTP, a 500 storm, a truncated chunked
@@ -355,7 +348,8 @@ async fn engine_that_answers_garbage() {
                 &[],
             );
             let proxy = &fleet.engines[victim].proxy;
-            proxy.retarget(garbage_server(mode).await);
+            let garbage = garbage_server(mode);
+            proxy.retarget(garbage.addr);
             proxy.reset_open_connections();
             let load = Load::start(
                 fleet.http.clone(),

@@ -6,15 +6,10 @@ mod common;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_collector_never_fails_a_request() {
-    // Bind then drop a listener: nothing listens on that port any more.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
     let guard = telemetry::init(
         "prefix-router-test",
         telemetry::LogFormat::Json,
-        Some(format!("http://{closed}")),
+        Some(test_support::unused_url()),
     );
     assert!(guard.exporting());
 

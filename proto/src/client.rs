@@ -973,13 +973,7 @@ mod tests {
 
     #[tokio::test]
     async fn unreachable_control_plane_is_one_clear_error() {
-        // Bind then drop a listener: nothing listens on that port any more.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let url = format!("http://127.0.0.1:{port}");
+        let url = test_support::unused_url();
         let e = Client::connect(url.clone()).await.unwrap_err();
         match &e {
             Error::Unreachable { url: u, cause } => {

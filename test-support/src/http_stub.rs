@@ -1,8 +1,9 @@
 //! A raw HTTP/1.1 server for tests that need a model server, a metrics endpoint or any other
 //! upstream whose answers they choose: [`HttpStub`] binds `127.0.0.1:0` and answers every request
 //! with its handler's [`StubReply`], keeping connections alive until the client or the reply closes
-//! them. Servers that break the protocol on purpose (fault injection) keep their own writing but
-//! share [`read_request`].
+//! them. Servers that break the protocol on purpose answer with [`StubReply::raw`] bytes or a
+//! [`StubReply::cut_chunked`] body, then close or hold the connection; [`read_request`] is there
+//! for a server that must write on its own.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -77,13 +78,34 @@ pub async fn read_request<S: AsyncRead + Unpin>(
     }
 }
 
-/// What the stub answers: status, headers and a body sent with its `content-length`.
+/// What the stub answers: status, headers and a body sent with its `content-length`, or a body
+/// that breaks off, or bytes that are not HTTP at all.
 #[derive(Debug, Clone)]
 pub struct StubReply {
     status: u16,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
-    close: bool,
+    framing: Framing,
+    after: After,
+}
+
+/// How the body goes on the wire.
+#[derive(Debug, Clone, Copy)]
+enum Framing {
+    ContentLength,
+    /// `transfer-encoding: chunked`, the body holding the chunks sent, without the last chunk.
+    CutChunked,
+    /// The body is the whole reply, head included (or no head: garbage).
+    Raw,
+}
+
+/// What the connection does after the reply.
+#[derive(Debug, Clone, Copy)]
+enum After {
+    KeepAlive,
+    Close,
+    /// Held open, nothing more read or written, until the client closes it.
+    Hold,
 }
 
 impl StubReply {
@@ -93,7 +115,30 @@ impl StubReply {
             status,
             headers: vec![("content-type".into(), content_type.into())],
             body: body.into(),
-            close: false,
+            framing: Framing::ContentLength,
+            after: After::KeepAlive,
+        }
+    }
+
+    /// A 200 of `content_type` with a chunked body that sends `chunks` and never ends: follow it
+    /// with [`then_close`](Self::then_close) (cut mid-body) or [`then_hold`](Self::then_hold)
+    /// (stalled).
+    pub fn cut_chunked(content_type: &str, chunks: &[&str]) -> Self {
+        let body: String = chunks
+            .iter()
+            .map(|c| format!("{:x}\r\n{c}\r\n", c.len()))
+            .collect();
+        StubReply {
+            framing: Framing::CutChunked,
+            ..Self::new(200, content_type, body)
+        }
+    }
+
+    /// `bytes` as they are, head included: a reply that breaks the protocol on purpose.
+    pub fn raw(bytes: impl Into<Vec<u8>>) -> Self {
+        StubReply {
+            framing: Framing::Raw,
+            ..Self::new(200, "", bytes)
         }
     }
 
@@ -111,16 +156,28 @@ impl StubReply {
     /// Closes the connection after this reply, without a `connection: close` header unless one
     /// was added (as a server whose keep-alive timeout ran out does).
     pub fn then_close(mut self) -> Self {
-        self.close = true;
+        self.after = After::Close;
+        self
+    }
+
+    /// Holds the connection open after this reply, reading no further request, until the client
+    /// closes it (a server that stalls).
+    pub fn then_hold(mut self) -> Self {
+        self.after = After::Hold;
         self
     }
 
     fn to_bytes(&self) -> Vec<u8> {
+        let framing = match self.framing {
+            Framing::Raw => return self.body.clone(),
+            Framing::ContentLength => format!("content-length: {}", self.body.len()),
+            Framing::CutChunked => "transfer-encoding: chunked".to_string(),
+        };
         let mut out = format!("HTTP/1.1 {} {}\r\n", self.status, reason(self.status));
         for (name, value) in &self.headers {
             out.push_str(&format!("{name}: {value}\r\n"));
         }
-        out.push_str(&format!("content-length: {}\r\n\r\n", self.body.len()));
+        out.push_str(&format!("{framing}\r\n\r\n"));
         let mut out = out.into_bytes();
         out.extend_from_slice(&self.body);
         out
@@ -218,8 +275,13 @@ async fn serve_connection(
         if stream.write_all(&reply.to_bytes()).await.is_err() {
             return;
         }
-        if reply.close {
-            return; // dropping the stream closes it
+        match reply.after {
+            After::KeepAlive => {}
+            After::Close => return, // dropping the stream closes it
+            After::Hold => {
+                let _ = stream.read(&mut [0u8; 1]).await;
+                return;
+            }
         }
     }
 }
@@ -251,6 +313,53 @@ mod tests {
         assert!(got.contains(r#"{"target":"/a","len":3}"#), "{got}");
         assert!(got.ends_with(r#"{"target":"/b","len":0}"#), "{got}");
         assert_eq!(stub.accepted(), 1);
+    }
+
+    #[test]
+    fn a_cut_chunked_body_stops_after_its_chunks_and_a_raw_reply_is_sent_as_is() {
+        let stub = HttpStub::start(|r| match r.target.as_str() {
+            "/cut" => StubReply::cut_chunked("text/event-stream", &["data: 1\n\n"]).then_close(),
+            _ => StubReply::raw("SPDY/9 wat\r\n").then_close(),
+        });
+        let get = |target: &str| {
+            let mut s = std::net::TcpStream::connect(stub.addr).unwrap();
+            write!(s, "GET {target} HTTP/1.1\r\n\r\n").unwrap();
+            let mut got = String::new();
+            s.read_to_string(&mut got).unwrap();
+            got
+        };
+        assert_eq!(
+            get("/cut"),
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"
+        );
+        assert_eq!(get("/raw"), "SPDY/9 wat\r\n");
+    }
+
+    #[test]
+    fn then_hold_keeps_the_connection_until_the_client_closes_it() {
+        let stub = HttpStub::start(|_| StubReply::cut_chunked("text/plain", &[]).then_hold());
+        let mut s = std::net::TcpStream::connect(stub.addr).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
+            .unwrap();
+        let head =
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n";
+        let mut got = vec![0u8; head.len()];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(String::from_utf8_lossy(&got), head);
+        s.set_read_timeout(Some(std::time::Duration::from_millis(100)))
+            .unwrap();
+        let more = s.read(&mut [0u8; 1]);
+        assert!(
+            matches!(&more, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "held open, the second request unanswered: {more:?}"
+        );
+        assert_eq!(stub.closed(), 0);
+        drop(s);
+        crate::wait_for_blocking(
+            "the stub to see the client close",
+            std::time::Duration::from_secs(5),
+            || stub.closed() == 1,
+        );
     }
 
     #[test]
