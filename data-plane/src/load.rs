@@ -261,6 +261,9 @@ pub struct Homes {
     past_first_pass: AtomicBool,
     /// The variant gate's closings the last pass had seen.
     closings_seen: AtomicU64,
+    /// The request sequence number and the time (monotonic ms) of the last pass.
+    last_pass_sequence: AtomicU64,
+    last_pass_ms: AtomicU64,
 }
 
 /// One key's home: the instance's index in the variant when the home was assigned, and its id
@@ -305,6 +308,8 @@ impl Default for Homes {
             calm: AtomicU32::new(0),
             past_first_pass: AtomicBool::new(false),
             closings_seen: AtomicU64::new(0),
+            last_pass_sequence: AtomicU64::new(0),
+            last_pass_ms: AtomicU64::new(0),
         }
     }
 }
@@ -442,6 +447,31 @@ impl Homes {
 
     pub fn store_past_first_pass(&self, past: bool) {
         self.past_first_pass.store(past, Relaxed);
+    }
+
+    /// Records that the pass runs at request `sequence`, time `now`.
+    pub fn mark_pass(&self, sequence: u64, now: u64) {
+        self.last_pass_sequence.store(sequence, Relaxed);
+        self.last_pass_ms.store(now, Relaxed);
+    }
+
+    /// True (for one caller) when the last pass is `interval_ms` old and `requests` requests
+    /// back: a router that sees a small part of a slow fleet's traffic reaches a half-window's
+    /// requests only after a minute or more, and its homes would wait as long for the engines'
+    /// reports since its last pass.
+    pub fn pass_overdue(&self, sequence: u64, now: u64, interval_ms: u64, requests: u64) -> bool {
+        let last = self.last_pass_ms.load(Relaxed);
+        last != 0
+            && now >= last.saturating_add(interval_ms)
+            && sequence
+                >= self
+                    .last_pass_sequence
+                    .load(Relaxed)
+                    .saturating_add(requests)
+            && self
+                .last_pass_ms
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
     }
 }
 
@@ -719,6 +749,28 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_homes_pass_is_overdue_once_its_time_and_its_requests_have_passed() {
+        let t = crate::placement::Tuning::default();
+        let (ms, n) = (t.home_interval_ms, t.home_interval_requests);
+        let h = Homes::default();
+        assert!(
+            !h.pass_overdue(10_000, 10 * ms, ms, n),
+            "no pass yet: none overdue"
+        );
+        h.mark_pass(100, 1_000);
+        assert!(!h.pass_overdue(100 + n, 1_000 + ms - 1, ms, n), "too soon");
+        assert!(
+            !h.pass_overdue(100 + n - 1, 1_000 + 10 * ms, ms, n),
+            "too few requests"
+        );
+        assert!(h.pass_overdue(100 + n, 1_000 + ms, ms, n));
+        assert!(
+            !h.pass_overdue(100 + n, 1_000 + ms, ms, n),
+            "one caller runs it"
+        );
+    }
 
     #[test]
     fn a_half_window_ends_after_its_requests_or_its_time_whichever_comes_first() {

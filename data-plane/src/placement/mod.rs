@@ -275,11 +275,19 @@ impl Placement {
             if recorded.new_window {
                 reweigh(variant, &self.tuning);
             }
+            let t = &self.tuning;
             if recorded.new_window
-                || self.tuning.home_early.contains(&(recorded.sequence + 1))
+                || t.home_early.contains(&(recorded.sequence + 1))
                 || variant.load().feedback().take_pass_due()
+                || homes.pass_overdue(
+                    recorded.sequence,
+                    now,
+                    t.home_interval_ms,
+                    t.home_interval_requests,
+                )
             {
-                assign_homes(variant, &self.tuning);
+                homes.mark_pass(recorded.sequence, now);
+                assign_homes(variant, t);
             }
         }
         Ok(Route {

@@ -56,6 +56,11 @@ pub struct Tuning {
     /// Besides at every half-window, a router assigns homes when its request count in the
     /// variant reaches each of these (a fresh router learns them in its first seconds).
     pub home_early: [u64; 2],
+    /// And once its last pass is this old (milliseconds) and this many of its requests back
+    /// (a router that sees a small part of a slow fleet's traffic would otherwise count again
+    /// only every 256 or more requests).
+    pub home_interval_ms: u64,
+    pub home_interval_requests: u64,
     /// When the engines' reports close a rule (see [`crate::feedback`]).
     pub feedback: FeedbackTuning,
 }
@@ -85,6 +90,8 @@ impl Default for Tuning {
             home_slack: 0.5,
             home_probe_passes: 16,
             home_early: [64, 256],
+            home_interval_ms: 15_000,
+            home_interval_requests: 64,
             feedback: FeedbackTuning::default(),
         }
     }
