@@ -43,3 +43,25 @@ impl Decision {
         HeaderValue::from_static(self.as_str())
     }
 }
+
+/// Which front door a request came in by: the `front_door` label of the request counters and
+/// of the decision histogram (and the `route` span's field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrontDoor {
+    /// The HTTP router (`--listen`).
+    Http = 0,
+    /// The endpoint picker (`--ext-proc-listen`): Envoy forwards the request.
+    ExtProc = 1,
+}
+
+impl FrontDoor {
+    pub const ALL: [FrontDoor; 2] = [FrontDoor::Http, FrontDoor::ExtProc];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FrontDoor::Http => "http",
+            FrontDoor::ExtProc => "ext_proc",
+        }
+    }
+}

@@ -53,6 +53,7 @@ use http::HeaderValue;
 use tonic::{Status, Streaming};
 
 use crate::access::Refusal;
+use crate::decision::FrontDoor;
 use crate::load::{now_ms, InFlight};
 use crate::placement::{Route, RouteRequest};
 use crate::prompt::BodyKind;
@@ -292,7 +293,7 @@ impl Exchange {
             }
             Msg::RequestBody(body) => {
                 if self.body.len() + body.body.len() > self.router.max_body_bytes() {
-                    self.router.metrics.record_unrouted(413);
+                    self.router.metrics.record_unrouted(FrontDoor::ExtProc, 413);
                     let msg = format!(
                         "request body is larger than the limit of {} bytes",
                         self.router.max_body_bytes()
@@ -323,7 +324,9 @@ impl Exchange {
                         .and_then(|h| header_text(h).parse().ok())
                         .unwrap_or(0);
                     // the route's request counter, by the status Envoy got from the instance
-                    p.outcome.stats.record(p.decision, p.status);
+                    p.outcome
+                        .stats
+                        .record(FrontDoor::ExtProc, p.decision, p.status);
                     if !p.span.is_disabled() {
                         if let Ok(status) = http::StatusCode::from_u16(p.status) {
                             crate::spans::record_status(&p.span, status);
@@ -390,7 +393,7 @@ impl Exchange {
         let admission = match self.router.access.admit() {
             Ok(a) => a,
             Err(refusal) => {
-                self.router.metrics.record_unrouted(429);
+                self.router.metrics.record_unrouted(FrontDoor::ExtProc, 429);
                 let msg = match refusal {
                     Refusal::Overloaded(n) => format!("{n} requests in flight: try again shortly"),
                     other => format!("refused ({})", other.status()),
@@ -399,7 +402,7 @@ impl Exchange {
             }
         };
         let Some(table) = self.router.table.load_full() else {
-            self.router.metrics.record_unrouted(503);
+            self.router.metrics.record_unrouted(FrontDoor::ExtProc, 503);
             let msg = "no routing table applied yet";
             return vec![immediate(503, msg, "service_unavailable", Some("1"))];
         };
@@ -416,7 +419,9 @@ impl Exchange {
         let route = match self.router.placement.route(&table, &request) {
             Ok(route) => route,
             Err(e) => {
-                self.router.metrics.record_unrouted(e.status());
+                self.router
+                    .metrics
+                    .record_unrouted(FrontDoor::ExtProc, e.status());
                 let kind = if e.status() == 404 {
                     "not_found_error"
                 } else {
@@ -426,17 +431,20 @@ impl Exchange {
             }
         };
         let Some((route, order)) = self.within_subset(route) else {
-            self.router.metrics.record_unrouted(503);
+            self.router.metrics.record_unrouted(FrontDoor::ExtProc, 503);
             let msg = "no instance of the endpoint's variant is in the gateway's subset hint";
             return vec![immediate(503, msg, "service_unavailable", Some("1"))];
         };
         let variant = route.variant;
         let instance = &variant.instances()[route.instance];
         let in_flight = InFlight::start(instance.state(), variant.load());
-        self.router.metrics.decision.observe(started.elapsed());
+        self.router
+            .metrics
+            .decision(FrontDoor::ExtProc)
+            .observe(started.elapsed());
         // Traced: the caller's context parents the pick's `route` span, whose own context goes
         // to the instance in `traceparent` (as the HTTP router's `upstream` span's does).
-        let span = crate::spans::route_span("ext_proc");
+        let span = crate::spans::route_span(FrontDoor::ExtProc.as_str());
         let mut set_headers = Vec::new();
         if !span.is_disabled() {
             if let Some(trace) = &head.trace {

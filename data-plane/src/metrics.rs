@@ -1,14 +1,16 @@
 //! Prometheus text metrics, kept in atomics (no lock on the request path).
 //!
-//! Per-route counters (`endpoint`, `variant`, `instance`, `decision`, `status`) are pre-created when
-//! a table is built and reused by the next table for routes that are still there.
+//! Per-route counters (`endpoint`, `variant`, `instance`, `decision`, `status`, `front_door`) are
+//! pre-created when a table is built and reused by the next table for routes that are still there.
+//! `front_door` (`http` | `ext_proc`) tells the HTTP router's requests from the endpoint picker's;
+//! it labels the request counters and the decision histogram (sum over it for the router's total).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
-use telemetry::exposition::Exposition;
+use telemetry::exposition::{Exposition, Family};
 
-use crate::decision::Decision;
+use crate::decision::{Decision, FrontDoor};
 use crate::feedback::Rule;
 use crate::route_stats::{slot_label, status_slot, STATUS_SLOTS};
 use crate::table::RoutingTable;
@@ -60,14 +62,19 @@ impl Histogram {
 
     /// Adds this histogram (no labels) to `out` as `name`.
     pub(crate) fn describe(&self, name: &str, help: &str, out: &mut Exposition) {
+        self.sample(&mut out.histogram(name, help), &[]);
+    }
+
+    /// Adds this histogram to a histogram family, with `labels`.
+    fn sample(&self, family: &mut Family<'_>, labels: &[(&str, &str)]) {
         let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
         let finite = self
             .bounds
             .iter()
             .zip(&counts)
             .map(|(&ns, &n)| (ns as f64 / 1e9, n));
-        out.histogram(name, help).buckets(
-            &[],
+        family.buckets(
+            labels,
             finite,
             counts[self.bounds.len()],
             self.sum_ns.load(Relaxed) as f64 / 1e9,
@@ -78,10 +85,12 @@ impl Histogram {
 /// Router-wide metrics.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    /// Routing-decision latency: body parse, key hash, endpoint/variant/instance choice.
-    pub decision: Histogram,
-    /// Requests answered without reaching an instance (no table, unknown endpoint, 413...).
-    unrouted: [AtomicU64; STATUS_SLOTS],
+    /// Routing-decision latency (body parse, key hash, endpoint/variant/instance choice), by
+    /// front door (see [`Metrics::decision`]).
+    decision: [Histogram; FrontDoor::ALL.len()],
+    /// Requests answered without reaching an instance (no table, unknown endpoint, 413...), by
+    /// front door.
+    unrouted: [[AtomicU64; STATUS_SLOTS]; FrontDoor::ALL.len()],
     pub table_version: AtomicU64,
     pub tables_applied: AtomicU64,
     pub tables_rejected: AtomicU64,
@@ -108,8 +117,13 @@ impl Metrics {
         }
     }
 
-    pub fn record_unrouted(&self, status: u16) {
-        self.unrouted[status_slot(status)].fetch_add(1, Relaxed);
+    pub fn record_unrouted(&self, door: FrontDoor, status: u16) {
+        self.unrouted[door as usize][status_slot(status)].fetch_add(1, Relaxed);
+    }
+
+    /// The routing-decision latency histogram of requests that came in by `door`.
+    pub fn decision(&self, door: FrontDoor) -> &Histogram {
+        &self.decision[door as usize]
     }
 
     pub fn record_ext_proc(&self, status: u16) {
@@ -123,23 +137,27 @@ impl Metrics {
         let mut status = String::new();
         let mut requests = out.counter(
             "prefix_router_requests_total",
-            "Requests by endpoint, variant, instance, routing decision and response status.",
+            "Requests by endpoint, variant, instance, routing decision, response status and front \
+             door (http: the HTTP router, ext_proc: the endpoint picker).",
         );
-        for (slot, count) in self.unrouted.iter().enumerate() {
-            let n = count.load(Relaxed);
-            if n > 0 {
-                status.clear();
-                slot_label(slot, &mut status);
-                requests.sample(
-                    &[
-                        ("endpoint", ""),
-                        ("variant", ""),
-                        ("instance", ""),
-                        ("decision", "none"),
-                        ("status", &status),
-                    ],
-                    n as f64,
-                );
+        for door in FrontDoor::ALL {
+            for (slot, count) in self.unrouted[door as usize].iter().enumerate() {
+                let n = count.load(Relaxed);
+                if n > 0 {
+                    status.clear();
+                    slot_label(slot, &mut status);
+                    requests.sample(
+                        &[
+                            ("endpoint", ""),
+                            ("variant", ""),
+                            ("instance", ""),
+                            ("decision", "none"),
+                            ("status", &status),
+                            ("front_door", door.as_str()),
+                        ],
+                        n as f64,
+                    );
+                }
             }
         }
         let routes = || {
@@ -152,22 +170,25 @@ impl Metrics {
             })
         };
         for (endpoint, variant, instance) in routes() {
-            for decision in Decision::ALL {
-                for slot in 0..STATUS_SLOTS {
-                    let n = instance.stats().count_at(decision, slot);
-                    if n > 0 {
-                        status.clear();
-                        slot_label(slot, &mut status);
-                        requests.sample(
-                            &[
-                                ("endpoint", endpoint.name()),
-                                ("variant", variant.name()),
-                                ("instance", instance.address()),
-                                ("decision", decision.as_str()),
-                                ("status", &status),
-                            ],
-                            n as f64,
-                        );
+            for door in FrontDoor::ALL {
+                for decision in Decision::ALL {
+                    for slot in 0..STATUS_SLOTS {
+                        let n = instance.stats().count_at(door, decision, slot);
+                        if n > 0 {
+                            status.clear();
+                            slot_label(slot, &mut status);
+                            requests.sample(
+                                &[
+                                    ("endpoint", endpoint.name()),
+                                    ("variant", variant.name()),
+                                    ("instance", instance.address()),
+                                    ("decision", decision.as_str()),
+                                    ("status", &status),
+                                    ("front_door", door.as_str()),
+                                ],
+                                n as f64,
+                            );
+                        }
                     }
                 }
             }
@@ -308,11 +329,18 @@ impl Metrics {
                 f64::from(u8::from(instance.state().is_ejected(now))),
             );
         }
-        self.decision.describe(
+        let mut decisions = out.histogram(
             "prefix_router_route_decision_seconds",
-            "Routing decision latency: body parse, prefix hash and instance choice.",
-            &mut out,
+            "Routing decision latency: body parse, prefix hash and instance choice, by front door \
+             (http: the HTTP router, ext_proc: the endpoint picker; a door with no decision yet \
+             is left out, the HTTP router's never).",
         );
+        for door in FrontDoor::ALL {
+            let h = &self.decision[door as usize];
+            if door == FrontDoor::Http || h.count() > 0 {
+                h.sample(&mut decisions, &[("front_door", door.as_str())]);
+            }
+        }
         self.flow.describe(&mut out);
         let gauges: [(&str, bool, &str, u64); 8] = [
             (

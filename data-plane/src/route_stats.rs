@@ -1,11 +1,11 @@
-//! Request counters of one route (endpoint, variant, instance) by decision and status, and the
-//! prompt tokens its engine reported by the rule that placed them: kept by the table's
-//! instances, rendered by [`crate::metrics`].
+//! Request counters of one route (endpoint, variant, instance) by front door, decision and
+//! status, and the prompt tokens its engine reported by the rule that placed them: kept by the
+//! table's instances, rendered by [`crate::metrics`].
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::decision::Decision;
+use crate::decision::{Decision, FrontDoor};
 use crate::feedback::Rule;
 use crate::usage::CacheReport;
 
@@ -29,8 +29,9 @@ pub(crate) fn slot_label(slot: usize, out: &mut String) {
     }
 }
 
-/// Request counters of one (endpoint, variant, instance) route, by decision and status, and the
-/// prompt tokens its engine reported, by the rule that placed them.
+/// Request counters of one (endpoint, variant, instance) route, by front door, decision and
+/// status (one flat array, indexed: no allocation per request), and the prompt tokens its
+/// engine reported, by the rule that placed them.
 #[derive(Debug)]
 pub struct RouteStats {
     counts: Box<[AtomicU64]>,
@@ -41,7 +42,7 @@ pub struct RouteStats {
 impl Default for RouteStats {
     fn default() -> Self {
         RouteStats {
-            counts: (0..Decision::ALL.len() * STATUS_SLOTS)
+            counts: (0..FrontDoor::ALL.len() * Decision::ALL.len() * STATUS_SLOTS)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             prompt_tokens: Default::default(),
@@ -51,17 +52,21 @@ impl Default for RouteStats {
 }
 
 impl RouteStats {
-    pub fn record(&self, decision: Decision, status: u16) {
-        self.counts[decision as usize * STATUS_SLOTS + status_slot(status)].fetch_add(1, Relaxed);
+    fn slot(door: FrontDoor, decision: Decision, status_slot: usize) -> usize {
+        (door as usize * Decision::ALL.len() + decision as usize) * STATUS_SLOTS + status_slot
     }
 
-    pub fn get(&self, decision: Decision, status: u16) -> u64 {
-        self.counts[decision as usize * STATUS_SLOTS + status_slot(status)].load(Relaxed)
+    pub fn record(&self, door: FrontDoor, decision: Decision, status: u16) {
+        self.counts[Self::slot(door, decision, status_slot(status))].fetch_add(1, Relaxed);
     }
 
-    /// The count of `decision` in status slot `slot` (below [`STATUS_SLOTS`]).
-    pub(crate) fn count_at(&self, decision: Decision, slot: usize) -> u64 {
-        self.counts[decision as usize * STATUS_SLOTS + slot].load(Relaxed)
+    pub fn get(&self, door: FrontDoor, decision: Decision, status: u16) -> u64 {
+        self.counts[Self::slot(door, decision, status_slot(status))].load(Relaxed)
+    }
+
+    /// The count of `decision` through `door` in status slot `slot` (below [`STATUS_SLOTS`]).
+    pub(crate) fn count_at(&self, door: FrontDoor, decision: Decision, slot: usize) -> u64 {
+        self.counts[Self::slot(door, decision, slot)].load(Relaxed)
     }
 
     /// Counts what the engine reported of one request placed by `rule`.
@@ -93,5 +98,31 @@ mod tests {
         let mut s = String::new();
         slot_label(status_slot(201), &mut s);
         assert_eq!(s, "2xx");
+    }
+
+    #[test]
+    fn each_front_door_counts_apart() {
+        let stats = RouteStats::default();
+        stats.record(FrontDoor::ExtProc, Decision::PrefixHash, 200);
+        stats.record(FrontDoor::ExtProc, Decision::PrefixHash, 200);
+        stats.record(FrontDoor::Http, Decision::PrefixHash, 200);
+        stats.record(FrontDoor::ExtProc, Decision::OverloadBypass, 504);
+        assert_eq!(stats.get(FrontDoor::ExtProc, Decision::PrefixHash, 200), 2);
+        assert_eq!(stats.get(FrontDoor::Http, Decision::PrefixHash, 200), 1);
+        assert_eq!(stats.get(FrontDoor::Http, Decision::OverloadBypass, 504), 0);
+        assert_eq!(
+            stats.get(FrontDoor::ExtProc, Decision::OverloadBypass, 504),
+            1
+        );
+        // every (door, decision, status) has a counter of its own
+        let mut seen = std::collections::HashSet::new();
+        for door in FrontDoor::ALL {
+            for decision in Decision::ALL {
+                for slot in 0..STATUS_SLOTS {
+                    assert!(seen.insert(RouteStats::slot(door, decision, slot)));
+                }
+            }
+        }
+        assert_eq!(seen.len(), stats.counts.len());
     }
 }

@@ -852,11 +852,17 @@ async fn error_paths_answer_json_with_their_status() {
         assert_eq!(r.status, 200, "{garbage:?}");
     }
     let m = router.metrics().await;
-    assert!(m.contains("decision=\"none\",status=\"404\"} 3\n"), "{m}");
-    assert!(m.contains("decision=\"none\",status=\"413\"} 2\n"), "{m}");
+    assert!(
+        m.contains("decision=\"none\",status=\"404\",front_door=\"http\"} 3\n"),
+        "{m}"
+    );
+    assert!(
+        m.contains("decision=\"none\",status=\"413\",front_door=\"http\"} 2\n"),
+        "{m}"
+    );
     assert!(
         m.contains(&format!(
-            "instance=\"{dead}\",decision=\"random\",status=\"502\"}} 1\n"
+            "instance=\"{dead}\",decision=\"random\",status=\"502\",front_door=\"http\"}} 1\n"
         )),
         "{m}"
     );
@@ -941,16 +947,18 @@ async fn metrics_report_requests_decisions_latency_and_version() {
     let m = router.metrics().await;
     for (instance, n) in per_instance {
         let line = format!(
-            "prefix_router_requests_total{{endpoint=\"e\",variant=\"v1\",instance=\"{instance}\",decision=\"prefix_hash\",status=\"200\"}} {n}\n"
+            "prefix_router_requests_total{{endpoint=\"e\",variant=\"v1\",instance=\"{instance}\",decision=\"prefix_hash\",status=\"200\",front_door=\"http\"}} {n}\n"
         );
         assert!(m.contains(&line), "missing {line} in {m}");
     }
     assert!(
-        m.contains("prefix_router_route_decision_seconds_count 10\n"),
+        m.contains("prefix_router_route_decision_seconds_count{front_door=\"http\"} 10\n"),
         "{m}"
     );
     assert!(
-        m.contains("prefix_router_route_decision_seconds_bucket{le=\"0.000001\"}"),
+        m.contains(
+            "prefix_router_route_decision_seconds_bucket{front_door=\"http\",le=\"0.000001\"}"
+        ),
         "{m}"
     );
     assert!(m.contains("prefix_router_table_version 3\n"), "{m}");

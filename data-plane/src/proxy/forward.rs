@@ -19,6 +19,7 @@ use tracing::Span;
 
 use super::request::{strip_hop_by_hop, upstream_request};
 use super::{error_chain, set_route_headers, Router};
+use crate::decision::FrontDoor;
 use crate::feedback::Visit;
 use crate::load::{now_ms, InFlight};
 use crate::placement::Route;
@@ -282,7 +283,7 @@ impl Router {
         let instance = &route.variant.instances()[route.instance];
         instance
             .stats()
-            .record(route.decision, parts.status.as_u16());
+            .record(FrontDoor::Http, route.decision, parts.status.as_u16());
         set_route_headers(&mut parts.headers, table, route);
         let sse = is_event_stream(&parts.headers);
         let outcome = parts.status.is_success().then(|| Outcome {

@@ -29,6 +29,7 @@ pub(crate) use self::request::invocation_endpoint;
 use self::request::routing_headers;
 use crate::access::{self, Access};
 use crate::config::Config;
+use crate::decision::FrontDoor;
 use crate::flow::{FlowControl, Home, KeyPolicy, Priority, Refused, Ticket, Who, X_QUEUED_MS};
 use crate::load::{now_ms, InFlight};
 use crate::metrics::Metrics;
@@ -148,7 +149,8 @@ impl Router {
                     if matches!(refusal, access::Refusal::Throttled(_)) {
                         self.metrics.auth_throttled.fetch_add(1, Relaxed);
                     }
-                    self.metrics.record_unrouted(refusal.status());
+                    self.metrics
+                        .record_unrouted(FrontDoor::Http, refusal.status());
                     return Ok(access::refusal_response(&refusal));
                 }
             }
@@ -258,7 +260,7 @@ impl Router {
         let admission = match self.access.admit() {
             Ok(a) => a,
             Err(refusal) => {
-                self.metrics.record_unrouted(503);
+                self.metrics.record_unrouted(FrontDoor::Http, 503);
                 return access::refusal_response(&refusal);
             }
         };
@@ -269,7 +271,7 @@ impl Router {
 
     /// [`Self::route_and_forward`] inside the request's `route` span.
     async fn traced_route_and_forward(&self, call: Call) -> Response<ResponseBody> {
-        let span = route_span("http");
+        let span = route_span(FrontDoor::Http.as_str());
         if span.is_disabled() {
             return self.route_and_forward(call, &span).await;
         }
@@ -375,7 +377,9 @@ impl Router {
                 }
             };
             if requeued.is_none() {
-                self.metrics.decision.observe(started.elapsed());
+                self.metrics
+                    .decision(FrontDoor::Http)
+                    .observe(started.elapsed());
             }
             if !self.flow.enabled() {
                 break None;
@@ -443,7 +447,7 @@ impl Router {
         retry: std::time::Duration,
     ) -> Response<ResponseBody> {
         self.metrics.flow.refused(why);
-        self.metrics.record_unrouted(why.status());
+        self.metrics.record_unrouted(FrontDoor::Http, why.status());
         let kind = match why {
             Refused::Full | Refused::Shed | Refused::Draining => "service_unavailable",
             Refused::Timeout | Refused::Requests | Refused::Tokens => "rate_limit_exceeded",
@@ -612,9 +616,11 @@ impl Router {
         message: &str,
         kind: &str,
     ) -> Response<ResponseBody> {
-        route.variant.instances()[route.instance]
-            .stats()
-            .record(route.decision, status);
+        route.variant.instances()[route.instance].stats().record(
+            FrontDoor::Http,
+            route.decision,
+            status,
+        );
         let mut r = error_response(status, message, kind);
         set_route_headers(r.headers_mut(), table, route);
         r
@@ -628,7 +634,7 @@ impl Router {
         message: &str,
         kind: &str,
     ) -> Response<ResponseBody> {
-        self.metrics.record_unrouted(status);
+        self.metrics.record_unrouted(FrontDoor::Http, status);
         let mut r = error_response(status, message, kind);
         let version = match table {
             Some(t) => t.version_header().clone(),
