@@ -49,6 +49,42 @@ pub fn picker_config(picker: &str, body_mode: &str) -> String {
     config
 }
 
+/// `config` (a [`picker_config`]) with the gateway's subset hint taken from the client's
+/// `x-gateway-destination-endpoint-subset` header: a `header_to_metadata` filter before ext_proc
+/// puts the header's value (a comma-separated `ip:port` list, as one string) in the request's
+/// filter metadata under `envoy.lb.subset_hint`, and the ext_proc filter forwards that namespace
+/// to the picker in each message's `metadata_context`, as a gateway that computed the subset does.
+pub fn with_subset_hint_from_header(config: &str) -> String {
+    let filter = "          - name: envoy.filters.http.ext_proc\n";
+    let processor = "              failure_mode_allow: false\n";
+    for anchor in [filter, processor] {
+        assert_eq!(config.matches(anchor).count(), 1, "{anchor} in the config");
+    }
+    let hint = format!(
+        r#"          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: {key}
+                on_header_present:
+                  metadata_namespace: {namespace}
+                  key: {key}
+                  type: STRING
+                remove: true
+"#,
+        key = client::SUBSET_KEY,
+        namespace = client::SUBSET_NAMESPACE,
+    );
+    let forward = format!(
+        "              metadata_options:\n                forwarding_namespaces:\n                  \
+         untyped: [{}]\n",
+        client::SUBSET_NAMESPACE
+    );
+    config
+        .replace(filter, &format!("{hint}{filter}"))
+        .replace(processor, &format!("{processor}{forward}"))
+}
+
 /// Envoy alone: one listener routing everything to `backend` (`ip:port`), no filter but the
 /// router (the baseline the picker's hop is measured against).
 pub fn direct_config(backend: &str) -> String {

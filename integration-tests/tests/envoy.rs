@@ -37,6 +37,50 @@ async fn envoy(bin: &Path, dir: &Path, picker: &str, body_mode: &str) -> Envoy {
     Envoy::start(bin, dir, &format!("envoy-{body_mode}"), &config).await
 }
 
+/// A test through Envoy: the machine to itself, a fleet, and Envoy asking the fleet's picker.
+struct Gateway {
+    fleet: Fleet,
+    envoy: Envoy,
+    /// Envoy's `/v1/chat/completions`.
+    url: String,
+    _one: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl Gateway {
+    /// Envoy from `deploy/envoy/envoy.yaml` (full-duplex bodies) in front of a fleet with
+    /// `strategy`; `None` when Envoy is missing (the test said it skipped).
+    async fn start(test: &str, strategy: RoutingStrategy) -> Option<Self> {
+        Self::start_with(test, strategy, "FULL_DUPLEX_STREAMED", |_| {}, |c| c).await
+    }
+
+    /// [`Self::start`] in `body_mode`, the data plane's settings changed by `tweak` and Envoy's
+    /// config by `edit`.
+    async fn start_with(
+        test: &str,
+        strategy: RoutingStrategy,
+        body_mode: &str,
+        tweak: impl FnOnce(&mut data_plane::Config),
+        edit: impl FnOnce(String) -> String,
+    ) -> Option<Self> {
+        let bin = envoy_binary(test)?;
+        let one = ONE.lock().await;
+        let fleet = Fleet::start_with(strategy, tweak).await;
+        let config = edit(integration_tests::envoy::picker_config(
+            &fleet.picker,
+            body_mode,
+        ));
+        let name = format!("envoy-{body_mode}");
+        let envoy = Envoy::start(&bin, fleet._dir.path(), &name, &config).await;
+        let url = format!("{}/v1/chat/completions", envoy.url);
+        Some(Gateway {
+            fleet,
+            envoy,
+            url,
+            _one: one,
+        })
+    }
+}
+
 /// A control plane, three engine-sims and a data plane serving HTTP and the picker.
 struct Fleet {
     _control_plane: InProcessControlPlane,
@@ -45,7 +89,34 @@ struct Fleet {
     picker: String,
     router: String,
     http: Client<HttpConnector, Full<Bytes>>,
+    config: data_plane::Config,
+    data_plane: Option<DataPlane>,
     _dir: tempfile::TempDir,
+}
+
+/// The data plane's serving task; dropping `stop` shuts it down.
+struct DataPlane {
+    stop: tokio::sync::oneshot::Sender<()>,
+    serving: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl DataPlane {
+    fn spawn(
+        http: tokio::net::TcpListener,
+        picker: tokio::net::TcpListener,
+        config: data_plane::Config,
+    ) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(data_plane::serve_with_picker(
+            http,
+            Some(picker),
+            config,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        DataPlane { stop, serving }
+    }
 }
 
 impl Fleet {
@@ -85,12 +156,7 @@ impl Fleet {
             ..data_plane::Config::default()
         };
         tweak(&mut config);
-        tokio::spawn(data_plane::serve_with_picker(
-            listener,
-            Some(ext),
-            config,
-            std::future::pending(),
-        ));
+        let data_plane = DataPlane::spawn(listener, ext, config.clone());
         let http = Client::builder(TokioExecutor::new()).build_http();
         let fleet = Fleet {
             _control_plane: control_plane,
@@ -99,14 +165,43 @@ impl Fleet {
             picker,
             router,
             http,
+            config,
+            data_plane: Some(data_plane),
             _dir: dir,
         };
+        fleet.wait_ready().await;
+        fleet
+    }
+
+    async fn wait_ready(&self) {
         wait_for("a routing table", Duration::from_secs(15), || async {
-            let (status, _, _) = fleet.get(&format!("{}/readyz", fleet.router)).await?;
+            let (status, _, _) = self.get(&format!("{}/readyz", self.router)).await?;
             (status == 200).then_some(())
         })
         .await;
-        fleet
+    }
+
+    /// Stops the data plane (HTTP listener and picker both) and waits until it has.
+    async fn stop_data_plane(&mut self) {
+        let DataPlane { stop, serving } = self.data_plane.take().expect("a data plane running");
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(30), serving)
+            .await
+            .expect("the data plane stops within 30 s")
+            .expect("the data plane's task")
+            .expect("the data plane stops cleanly");
+    }
+
+    /// A new data plane on the stopped one's ports, with its table applied.
+    async fn restart_data_plane(&mut self) {
+        assert!(self.data_plane.is_none(), "stop the data plane first");
+        let bind = |url: &str| {
+            tokio::net::TcpListener::bind(url.trim_start_matches("http://").to_string())
+        };
+        let http = bind(&self.router).await.expect("the router's port again");
+        let picker = bind(&self.picker).await.expect("the picker's port again");
+        self.data_plane = Some(DataPlane::spawn(http, picker, self.config.clone()));
+        self.wait_ready().await;
     }
 
     async fn get(&self, url: &str) -> Option<(u16, http::HeaderMap, Bytes)> {
@@ -117,17 +212,57 @@ impl Fleet {
     }
 
     async fn post(&self, url: &str, body: serde_json::Value) -> (u16, http::HeaderMap, Bytes) {
-        let req = http::Request::post(url)
-            .header("content-type", "application/json")
+        self.post_with(url, &[], body).await
+    }
+
+    /// [`Self::post`] with `headers`.
+    async fn post_with(
+        &self,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: serde_json::Value,
+    ) -> (u16, http::HeaderMap, Bytes) {
+        let (parts, body) = self.send(url, headers, body).await;
+        let body = body.collect().await.expect("a whole body").to_bytes();
+        (parts.status.as_u16(), parts.headers, body)
+    }
+
+    /// The response's head; its body not read yet.
+    async fn send(
+        &self,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: serde_json::Value,
+    ) -> (http::response::Parts, hyper::body::Incoming) {
+        let mut req = http::Request::post(url).header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
             .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
             .unwrap();
         let resp = tokio::time::timeout(Duration::from_secs(30), self.http.request(req))
             .await
             .expect("an answer within 30 s")
             .expect("Envoy answers");
-        let (parts, body) = resp.into_parts();
-        let body = body.collect().await.expect("a whole body").to_bytes();
-        (parts.status.as_u16(), parts.headers, body)
+        resp.into_parts()
+    }
+
+    /// A streaming request whose first event has arrived, its body still open: dropping the
+    /// returned body cuts it (the connection closes).
+    async fn open_stream(&self, url: &str, body: serde_json::Value) -> hyper::body::Incoming {
+        let (parts, mut body) = self.send(url, &[], body).await;
+        assert_eq!(parts.status, 200, "{parts:?}");
+        loop {
+            let frame = tokio::time::timeout(Duration::from_secs(30), body.frame())
+                .await
+                .expect("a first event within 30 s")
+                .expect("the stream stays open")
+                .expect("no body error");
+            if frame.data_ref().is_some_and(|d| !d.is_empty()) {
+                return body;
+            }
+        }
     }
 
     /// `engine_sim_requests_total` of each engine, by the engine's own `/metrics`.
@@ -143,7 +278,19 @@ impl Fleet {
         out
     }
 
-    /// The data plane's `prefix_router_instance_in_flight`, summed over instances.
+    /// A [`long_stream`] through `url` (Envoy), its first event arrived and its body left
+    /// open, and the one engine the picker counts it in flight on.
+    async fn hold_stream(&self, url: &str) -> (hyper::body::Incoming, String) {
+        let stream = self.open_stream(url, long_stream()).await;
+        let busy = self.busy().await;
+        assert_eq!(
+            busy.len(),
+            1,
+            "in flight on one engine while its events arrive: {busy:?}"
+        );
+        (stream, busy.into_iter().next().unwrap())
+    }
+
     /// The data plane's `/metrics` page.
     async fn metrics(&self) -> String {
         let (_, _, body) = self
@@ -153,9 +300,71 @@ impl Fleet {
         String::from_utf8_lossy(&body).into_owned()
     }
 
+    /// The data plane's `prefix_router_instance_in_flight`, summed over instances.
     async fn in_flight(&self) -> u64 {
         counter(&self.metrics().await, "prefix_router_instance_in_flight")
     }
+
+    /// The instances `prefix_router_instance_in_flight` counts a request on.
+    async fn busy(&self) -> Vec<String> {
+        self.metrics()
+            .await
+            .lines()
+            .filter_map(|l| l.strip_prefix("prefix_router_instance_in_flight{"))
+            .filter(|l| !l.ends_with("} 0"))
+            .filter_map(|l| {
+                Some(
+                    l.split("instance=\"")
+                        .nth(1)?
+                        .split('"')
+                        .next()?
+                        .to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// `engine_sim_requests_total` of each engine since `before` (a [`Self::served`]).
+    async fn served_since(&self, before: &[u64]) -> Vec<u64> {
+        let after = self.served().await;
+        after.iter().zip(before).map(|(a, b)| a - b).collect()
+    }
+
+    /// Applies `strategy` to the variant through the control plane and waits until the router
+    /// serves it.
+    async fn set_strategy(&self, strategy: RoutingStrategy) {
+        let version = self
+            .client
+            .set_variant_routing_strategy(ENDPOINT, "v1", strategy, None)
+            .await
+            .unwrap()
+            .routing_table_version;
+        self.wait_version(version).await;
+    }
+
+    /// Waits until the router serves table `version` or a later one.
+    async fn wait_version(&self, version: u64) {
+        wait_for(
+            &format!("the router to apply table {version}"),
+            Duration::from_secs(10),
+            || async {
+                let (_, _, body) = self.get(&format!("{}/readyz", self.router)).await?;
+                let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+                (v["table_version"].as_u64()? >= version).then_some(())
+            },
+        )
+        .await;
+    }
+}
+
+/// The `x-prefix-router-instance` header Envoy passed on from the picker.
+fn instance(headers: &http::HeaderMap) -> String {
+    headers
+        .get("x-prefix-router-instance")
+        .expect("the picker's response headers")
+        .to_str()
+        .unwrap()
+        .to_string()
 }
 
 /// The sum of a metric's samples in a Prometheus text page.
@@ -186,13 +395,18 @@ fn document(topic: &str) -> String {
 
 async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
     let test = format!("envoy picker ({body_mode})");
-    let Some(bin) = envoy_binary(&test) else {
+    let Some(g) = Gateway::start_with(
+        &test,
+        RoutingStrategy::PrefixAware,
+        body_mode,
+        |_| {},
+        |c| c,
+    )
+    .await
+    else {
         return;
     };
-    let _one = ONE.lock().await;
-    let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
-    let envoy = envoy(&bin, fleet._dir.path(), &fleet.picker, body_mode).await;
-    let url = format!("{}/v1/chat/completions", envoy.url);
+    let (fleet, url) = (&g.fleet, &g.url);
 
     // Two documents, eight questions each: every answer comes through Envoy, and each
     // document's requests reach one engine (the engines' own request counters).
@@ -211,21 +425,13 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
                 200,
                 "{}\nenvoy: {}",
                 String::from_utf8_lossy(&body),
-                envoy.logs()
+                g.envoy.logs()
             );
             let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
             assert_eq!(v["object"], "chat.completion");
-            instances.push(
-                headers
-                    .get("x-prefix-router-instance")
-                    .expect("the picker's response headers")
-                    .to_str()
-                    .unwrap()
-                    .to_string(),
-            );
+            instances.push(instance(&headers));
         }
-        let after = fleet.served().await;
-        let per_engine: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        let per_engine = fleet.served_since(&before).await;
         assert_eq!(per_engine.iter().sum::<u64>(), 8, "{per_engine:?}");
         assert!(
             per_engine.contains(&8),
@@ -249,17 +455,42 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
         (fleet.in_flight().await == 0).then_some(())
     })
     .await;
-    // Each of the 17 requests was one pick, and is counted on its route with the status Envoy
-    // got from the engine.
+    // One request through the data plane's own HTTP listener: the other front door.
+    let (status, _, body) = fleet
+        .post(
+            &format!("{}/v1/chat/completions", fleet.router),
+            chat(&document("tides"), "straight to the router?", false),
+        )
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // Each of the 17 requests through Envoy was one pick, and is counted on its route with the
+    // status Envoy got from the engine, under front_door="ext_proc"; the HTTP request apart.
     let text = fleet.metrics().await;
     assert_eq!(counter(&text, "prefix_router_ext_proc_answers_total"), 17);
-    let routed_ok: u64 = text
-        .lines()
-        .filter(|l| l.starts_with("prefix_router_requests_total{"))
-        .filter(|l| l.contains("decision=\"prefix_") && l.contains("status=\"200\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum();
-    assert_eq!(routed_ok, 17, "{text}");
+    let routed_ok = |door: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with("prefix_router_requests_total{"))
+            .filter(|l| l.contains("decision=\"prefix_") && l.contains("status=\"200\""))
+            .filter(|l| l.contains(&format!("front_door=\"{door}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        (routed_ok("ext_proc"), routed_ok("http")),
+        (17, 1),
+        "{text}"
+    );
+    let decisions = |door: &str| {
+        counter(
+            &text,
+            &format!("prefix_router_route_decision_seconds_count{{front_door=\"{door}\"}}"),
+        )
+    };
+    assert_eq!(
+        (decisions("ext_proc"), decisions("http")),
+        (17, 1),
+        "{text}"
+    );
     // The engines' cache reports were read as the responses passed through Envoy.
     let cached = counter(&text, "prefix_router_cached_prompt_tokens_total");
     let prompt = counter(&text, "prefix_router_prompt_tokens_total");
@@ -279,19 +510,10 @@ async fn buffered_picks_keep_each_document_on_one_engine() {
 /// A strategy swap through the control plane changes Envoy's routing, with no failed request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_strategy_swap_changes_envoys_routing_with_no_failed_request() {
-    let Some(bin) = envoy_binary("envoy strategy swap") else {
+    let Some(g) = Gateway::start("envoy strategy swap", RoutingStrategy::PrefixAware).await else {
         return;
     };
-    let _one = ONE.lock().await;
-    let fleet = Fleet::start(RoutingStrategy::PrefixAware).await;
-    let envoy = envoy(
-        &bin,
-        fleet._dir.path(),
-        &fleet.picker,
-        "FULL_DUPLEX_STREAMED",
-    )
-    .await;
-    let url = format!("{}/v1/chat/completions", envoy.url);
+    let (fleet, url) = (&g.fleet, &g.url);
     let doc = document("volcanoes");
     let round = |n: usize| {
         let (fleet, url, doc) = (&fleet, url.clone(), doc.clone());
@@ -301,37 +523,311 @@ async fn a_strategy_swap_changes_envoys_routing_with_no_failed_request() {
                 let (status, _, body) = fleet.post(&url, chat(&doc, &format!("q{q}"), false)).await;
                 assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
             }
-            let after = fleet.served().await;
-            after
-                .iter()
-                .zip(&before)
-                .map(|(a, b)| a - b)
-                .collect::<Vec<u64>>()
+            fleet.served_since(&before).await
         }
     };
     let pa = round(12).await;
     assert!(pa.contains(&12), "PREFIX_AWARE: one engine, got {pa:?}");
-    let version = fleet
-        .client
-        .set_variant_routing_strategy(ENDPOINT, "v1", RoutingStrategy::Random, None)
-        .await
-        .unwrap()
-        .routing_table_version;
-    wait_for(
-        "the router to apply RANDOM",
-        Duration::from_secs(10),
-        || async {
-            let (_, _, body) = fleet.get(&format!("{}/readyz", fleet.router)).await?;
-            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-            (v["table_version"].as_u64()? >= version).then_some(())
-        },
-    )
-    .await;
+    fleet.set_strategy(RoutingStrategy::Random).await;
     let random = round(30).await;
     assert!(
         random.iter().filter(|&&n| n > 0).count() >= 2,
         "RANDOM through Envoy spreads the same document, got {random:?}"
     );
+}
+
+/// `x-prefix-aware-id` and `x-endpoint-name` reach the picker through Envoy: one document under
+/// twelve ids spreads over the engines, each id keeping to its engine; `x-endpoint-name` picks an
+/// endpoint the body's `model` does not name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_aware_id_and_endpoint_name_are_honoured_through_envoy() {
+    let Some(g) = Gateway::start(
+        "envoy x-prefix-aware-id and x-endpoint-name",
+        RoutingStrategy::PrefixAware,
+    )
+    .await
+    else {
+        return;
+    };
+    let (fleet, url) = (&g.fleet, &g.url);
+    let doc = document("estuaries");
+
+    let mut by_id = std::collections::BTreeSet::new();
+    for id in 0..12 {
+        let id = format!("conversation-{id}");
+        let mut seen = Vec::new();
+        for q in 0..2 {
+            let (status, headers, body) = fleet
+                .post_with(
+                    &url,
+                    &[("x-prefix-aware-id", &id)],
+                    chat(&doc, &format!("q{q}"), false),
+                )
+                .await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            seen.push(instance(&headers));
+        }
+        assert_eq!(seen[0], seen[1], "{id}: one id, one engine");
+        by_id.insert(seen[0].clone());
+    }
+    assert!(
+        by_id.len() >= 2,
+        "twelve ids on one document spread over the engines, got {by_id:?}"
+    );
+
+    // An endpoint of its own engine, chosen by the header over the body's `model` ("chat").
+    let solo = integration_tests::spawn_engine_sim(0.01).await;
+    fleet
+        .client
+        .create_endpoint_config(
+            "solo",
+            vec![variant("v1", RoutingStrategy::Random, &[&solo])],
+        )
+        .await
+        .unwrap();
+    let created = fleet.client.create_endpoint("solo", "solo").await.unwrap();
+    fleet.wait_version(created.routing_table_version).await;
+    let before = fleet.served().await;
+    for q in 0..3 {
+        let (status, headers, body) = fleet
+            .post_with(
+                &url,
+                &[("x-endpoint-name", "solo")],
+                chat(&doc, &format!("solo {q}"), false),
+            )
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(instance(&headers), solo);
+    }
+    assert_eq!(
+        fleet.served_since(&before).await,
+        [0, 0, 0],
+        "chat's engines"
+    );
+    let (_, _, body) = fleet
+        .get(&format!("{solo}/metrics"))
+        .await
+        .expect("metrics");
+    assert_eq!(
+        counter(&String::from_utf8_lossy(&body), "engine_sim_requests_total"),
+        3,
+        "solo's engine served the three"
+    );
+}
+
+/// LEAST_OUTSTANDING_REQUESTS through Envoy: while a stream holds one engine, every pick goes
+/// to the others (the picker counts the stream in flight until its response ends). And a
+/// streaming request comes through whole with each strategy, its in-flight count released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_outstanding_avoids_a_busy_engine_and_each_strategy_streams_through_envoy() {
+    let Some(g) = Gateway::start(
+        "envoy LEAST_OUTSTANDING_REQUESTS and streams",
+        RoutingStrategy::LeastOutstandingRequests,
+    )
+    .await
+    else {
+        return;
+    };
+    let (fleet, url) = (&g.fleet, &g.url);
+
+    let (held, busy) = fleet.hold_stream(url).await;
+    let before = fleet.served().await;
+    for q in 0..6 {
+        let (status, headers, body) = fleet
+            .post(&url, chat(&document("reefs"), &format!("q{q}"), false))
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_ne!(
+            instance(&headers),
+            busy,
+            "LEAST_OUTSTANDING avoids the busy engine"
+        );
+        assert_eq!(
+            headers.get("x-prefix-router-decision").unwrap(),
+            "least_outstanding"
+        );
+    }
+    let served = fleet.served_since(&before).await;
+    let busy_engine = fleet.engines.iter().position(|e| *e == busy).unwrap();
+    assert_eq!(served[busy_engine], 0, "{served:?}");
+    assert_eq!(served.iter().sum::<u64>(), 6, "{served:?}");
+    drop(held);
+
+    for (strategy, decision) in [
+        (
+            RoutingStrategy::LeastOutstandingRequests,
+            "least_outstanding",
+        ),
+        (RoutingStrategy::Random, "random"),
+        (RoutingStrategy::PrefixAware, "prefix_"),
+    ] {
+        fleet.set_strategy(strategy).await;
+        let (status, headers, body) = fleet
+            .post(&url, chat(&document("reefs"), "streamed?", true))
+            .await;
+        assert_eq!(
+            status,
+            200,
+            "{strategy:?}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        let text = String::from_utf8_lossy(&body);
+        assert!(
+            text.trim_end().ends_with("data: [DONE]"),
+            "{strategy:?}: {text}"
+        );
+        let got = headers
+            .get("x-prefix-router-decision")
+            .unwrap()
+            .to_str()
+            .unwrap();
+        assert!(got.starts_with(decision), "{strategy:?}: decision {got}");
+        wait_for(
+            &format!("{strategy:?}: in-flight back to zero"),
+            Duration::from_secs(5),
+            || async { (fleet.in_flight().await == 0).then_some(()) },
+        )
+        .await;
+    }
+}
+
+/// A streaming chat request that runs for about 25 s at the engine-sims' time scale.
+fn long_stream() -> serde_json::Value {
+    let mut body = chat(&document("long answers"), "tell me everything", true);
+    body["max_tokens"] = 100_000.into();
+    body
+}
+
+/// A client that cuts its stream through Envoy mid-response: Envoy resets the ext_proc stream,
+/// and the picker's in-flight count for the engine returns to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_by_its_client_through_envoy_leaves_nothing_in_flight() {
+    let Some(g) = Gateway::start(
+        "envoy stream cut by its client",
+        RoutingStrategy::PrefixAware,
+    )
+    .await
+    else {
+        return;
+    };
+    let (fleet, url) = (&g.fleet, &g.url);
+    let (stream, _) = fleet.hold_stream(url).await;
+    drop(stream);
+    wait_for(
+        "the cut stream's in-flight count back to 0",
+        Duration::from_secs(10),
+        || async { (fleet.in_flight().await == 0).then_some(()) },
+    )
+    .await;
+}
+
+/// The gateway's subset hint in its string form, as Envoy sends it: the client's
+/// `x-gateway-destination-endpoint-subset` header becomes `envoy.lb.subset_hint` filter metadata
+/// (`header_to_metadata`) that the ext_proc filter forwards to the picker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subset_hint_from_envoys_metadata_limits_the_pick() {
+    let Some(g) = Gateway::start_with(
+        "envoy subset hint",
+        RoutingStrategy::PrefixAware,
+        "FULL_DUPLEX_STREAMED",
+        |_| {},
+        |c| integration_tests::envoy::with_subset_hint_from_header(&c),
+    )
+    .await
+    else {
+        return;
+    };
+    let fleet = &g.fleet;
+    let ask = |subset: Option<String>, q: usize| {
+        let url = &g.url;
+        async move {
+            let headers: Vec<(&str, &str)> = subset
+                .as_deref()
+                .map(|s| ("x-gateway-destination-endpoint-subset", s))
+                .into_iter()
+                .collect();
+            fleet
+                .post_with(
+                    url,
+                    &headers,
+                    chat(&document("tides"), &format!("q{q}"), false),
+                )
+                .await
+        }
+    };
+    let (status, headers, _) = ask(None, 0).await;
+    assert_eq!(status, 200);
+    let home = instance(&headers);
+    let others: Vec<&String> = fleet.engines.iter().filter(|e| **e != home).collect();
+    let authority = |url: &str| url.trim_start_matches("http://").to_string();
+
+    // One engine named: the document goes there, not to its home.
+    let (status, headers, body) = ask(Some(authority(others[0])), 1).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(instance(&headers), *others[0]);
+    // Two, as one comma-separated string: one of them.
+    let both = format!("{}, {}", authority(others[0]), authority(others[1]));
+    for q in 2..6 {
+        let (status, headers, _) = ask(Some(both.clone()), q).await;
+        assert_eq!(status, 200);
+        assert!(others.contains(&&instance(&headers)), "{both}: {headers:?}");
+    }
+    // None of the engines: 503 from the picker, no engine reached.
+    let before = fleet.served().await;
+    let (status, _, body) = ask(Some("192.0.2.1:8000".into()), 6).await;
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("subset"));
+    assert_eq!(fleet.served_since(&before).await, [0, 0, 0]);
+    // Without the header: the home again.
+    let (_, headers, _) = ask(None, 7).await;
+    assert_eq!(instance(&headers), home);
+}
+
+/// The picker killed while Envoy routes: with the example's `failure_mode_allow: false` each
+/// request fails with Envoy's own 500 and reaches no engine; a picker back on the same port is
+/// used again without touching Envoy (it reconnects to the cluster's address on its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_picker_killed_under_envoy_fails_closed_and_a_new_one_on_its_port_recovers() {
+    let Some(mut g) = Gateway::start_with(
+        "envoy picker killed and back",
+        RoutingStrategy::PrefixAware,
+        "FULL_DUPLEX_STREAMED",
+        |c| {
+            c.shutdown_grace_ms = 200;
+        },
+        |c| c,
+    )
+    .await
+    else {
+        return;
+    };
+    let (fleet, url) = (&mut g.fleet, g.url.as_str());
+    let ask = |q: usize| chat(&document("tides"), &format!("q{q}"), false);
+    for q in 0..2 {
+        let (status, _, body) = fleet.post(&url, ask(q)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+
+    fleet.stop_data_plane().await;
+    let before = fleet.served().await;
+    for q in 0..3 {
+        let (status, _, body) = fleet.post(&url, ask(q)).await;
+        assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(fleet.served_since(&before).await, [0, 0, 0]);
+
+    fleet.restart_data_plane().await;
+    let fleet = &*fleet;
+    wait_for(
+        "Envoy to route through the new picker",
+        Duration::from_secs(30),
+        || async { (fleet.post(&url, ask(9)).await.0 == 200).then_some(()) },
+    )
+    .await;
+    for q in 0..5 {
+        let (status, _, body) = fleet.post(&url, ask(q)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
 }
 
 mod protocol {
