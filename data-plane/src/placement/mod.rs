@@ -21,8 +21,10 @@
 //!   that one as its home and goes there instead. An instance whose cache overflows (revisits
 //!   of those keys miss) while it holds more than an even spread of them shows that its cache holds fewer (about
 //!   as many as the share of its revisits that hit): from then on no instance gets more (never
-//!   less than an even spread; a hot key whose copies would not fit gets none), and the pass runs again as
-//!   soon as a router's revisits show an overflow. The pass depends only on the set of reused
+//!   less than an even spread; a hot key whose copies would not fit gets none; one that
+//!   overflows at an even spread or less bounds every instance to the even spread), and the pass
+//!   runs again as soon as a router's revisits show an overflow, and once its last pass is 15 s
+//!   and 64 requests old. The pass depends only on the set of reused
 //!   keys and that bound, so replicas agree.
 //! - **Hot-key replicas** (queueing): each router estimates, over its last 2,048-4,096 requests
 //!   to the variant ([`crate::load::KeyRates`]), every key's share. A key with share `s` of n
