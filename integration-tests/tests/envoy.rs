@@ -416,7 +416,7 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
         for q in 0..8 {
             let (status, headers, body) = fleet
                 .post(
-                    &url,
+                    url,
                     chat(&document(topic), &format!("question {q}?"), false),
                 )
                 .await;
@@ -443,7 +443,7 @@ async fn prefix_aware_keeps_each_document_on_one_engine(body_mode: &str) {
 
     // A stream comes through whole, and its end releases the in-flight count.
     let (status, headers, body) = fleet
-        .post(&url, chat(&document("tides"), "a streamed question?", true))
+        .post(url, chat(&document("tides"), "a streamed question?", true))
         .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert!(headers
@@ -559,7 +559,7 @@ async fn prefix_aware_id_and_endpoint_name_are_honoured_through_envoy() {
         for q in 0..2 {
             let (status, headers, body) = fleet
                 .post_with(
-                    &url,
+                    url,
                     &[("x-prefix-aware-id", &id)],
                     chat(&doc, &format!("q{q}"), false),
                 )
@@ -591,7 +591,7 @@ async fn prefix_aware_id_and_endpoint_name_are_honoured_through_envoy() {
     for q in 0..3 {
         let (status, headers, body) = fleet
             .post_with(
-                &url,
+                url,
                 &[("x-endpoint-name", "solo")],
                 chat(&doc, &format!("solo {q}"), false),
             )
@@ -634,7 +634,7 @@ async fn least_outstanding_avoids_a_busy_engine_and_each_strategy_streams_throug
     let before = fleet.served().await;
     for q in 0..6 {
         let (status, headers, body) = fleet
-            .post(&url, chat(&document("reefs"), &format!("q{q}"), false))
+            .post(url, chat(&document("reefs"), &format!("q{q}"), false))
             .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
         assert_ne!(
@@ -663,7 +663,7 @@ async fn least_outstanding_avoids_a_busy_engine_and_each_strategy_streams_throug
     ] {
         fleet.set_strategy(strategy).await;
         let (status, headers, body) = fleet
-            .post(&url, chat(&document("reefs"), "streamed?", true))
+            .post(url, chat(&document("reefs"), "streamed?", true))
             .await;
         assert_eq!(
             status,
@@ -804,14 +804,14 @@ async fn a_picker_killed_under_envoy_fails_closed_and_a_new_one_on_its_port_reco
     let (fleet, url) = (&mut g.fleet, g.url.as_str());
     let ask = |q: usize| chat(&document("tides"), &format!("q{q}"), false);
     for q in 0..2 {
-        let (status, _, body) = fleet.post(&url, ask(q)).await;
+        let (status, _, body) = fleet.post(url, ask(q)).await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     }
 
     fleet.stop_data_plane().await;
     let before = fleet.served().await;
     for q in 0..3 {
-        let (status, _, body) = fleet.post(&url, ask(q)).await;
+        let (status, _, body) = fleet.post(url, ask(q)).await;
         assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
     }
     assert_eq!(fleet.served_since(&before).await, [0, 0, 0]);
@@ -821,11 +821,11 @@ async fn a_picker_killed_under_envoy_fails_closed_and_a_new_one_on_its_port_reco
     wait_for(
         "Envoy to route through the new picker",
         Duration::from_secs(30),
-        || async { (fleet.post(&url, ask(9)).await.0 == 200).then_some(()) },
+        || async { (fleet.post(url, ask(9)).await.0 == 200).then_some(()) },
     )
     .await;
     for q in 0..5 {
-        let (status, _, body) = fleet.post(&url, ask(q)).await;
+        let (status, _, body) = fleet.post(url, ask(q)).await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     }
 }
