@@ -17,7 +17,7 @@ use http::Response;
 use credentials::{SecretFile, SecretValue};
 
 use crate::config::Config;
-use crate::flow::KeyPolicy;
+use crate::priority::KeyPolicy;
 use crate::response::{coded_error_response, Admission, ResponseBody};
 
 /// Paths anyone may call: probes and metrics (as vLLM leaves `/health` and `/metrics` open).

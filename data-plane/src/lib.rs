@@ -20,7 +20,10 @@
 //!   (`proxy::request`), forwarding with one retry over pooled keep-alive connections
 //!   (`proxy::forward`, `upstream`); `response`: the streamed response body and JSON errors;
 //!   `spans`: the `route` / `upstream` spans (W3C `traceparent` in and out).
-//! - [`metrics`]: counters and histograms in atomics, described at scrape time and encoded by
+//! - [`flow`]: flow control (a request waits in the router while every instance it may use is
+//!   full), over [`queue`] (a variant's waiters) and [`priority`] (tenants, priorities, what an
+//!   API key says).
+//! - [`metrics`]: counters and [`histogram`]s in atomics, described at scrape time and encoded by
 //!   the `prometheus` crate (`telemetry::exposition`); [`route_stats`]: each route's counters,
 //!   by [`decision`] and status.
 //! - [`models`]: `GET /v1/models` from the routing table (every other `/v1/*` path is proxied).
@@ -55,13 +58,16 @@ pub mod decision;
 pub mod ext_proc;
 pub mod feedback;
 pub mod flow;
+pub mod histogram;
 pub mod load;
 pub mod metrics;
 pub mod models;
 pub mod placement;
 pub mod prefix_index;
+pub mod priority;
 pub mod prompt;
 mod proxy;
+pub mod queue;
 mod response;
 pub mod route_stats;
 mod spans;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 
 use crate::feedback::{Feedback, InstanceCache};
+use crate::queue::Queue;
 use crate::upstream::Pool;
 
 /// Consecutive failures (connect errors, 5xx) after which an instance is ejected.
@@ -494,6 +495,13 @@ pub struct InstanceState {
 }
 
 impl InstanceState {
+    /// The instance's id, as flow control's waiters name their home and a freed place: the
+    /// address of its state (the same `Arc` across tables that keep the instance; never 0).
+    #[inline]
+    pub fn id(&self) -> usize {
+        std::ptr::from_ref(self) as usize
+    }
+
     pub(crate) fn pool(&self) -> &Pool {
         &self.pool
     }
@@ -575,7 +583,7 @@ pub struct VariantLoad {
     served: OnceLock<ServedPrefixes>,
     homes: OnceLock<Homes>,
     /// Requests waiting for an instance below its in-flight limit ([`crate::flow`]).
-    flow: crate::flow::Queue,
+    flow: Queue,
 }
 
 /// What [`VariantLoad::record`] saw of one placed request.
@@ -691,7 +699,7 @@ impl VariantLoad {
 
     /// The variant's flow-control queue.
     #[inline]
-    pub fn flow(&self) -> &crate::flow::Queue {
+    pub fn flow(&self) -> &Queue {
         &self.flow
     }
 
@@ -740,9 +748,7 @@ impl Drop for InFlight {
         // its place may go to a request waiting for one (the fence pairs with the waiter's
         // after it queues: one of the two sees the other)
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        self.variant
-            .flow
-            .release(crate::flow::instance_id(&self.instance));
+        self.variant.flow.release(self.instance.id());
     }
 }
 

@@ -11,8 +11,8 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::HeaderValue;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::flow::Priority;
 use crate::load::{InstanceState, VariantLoad};
+use crate::priority::Priority;
 use crate::route_stats::RouteStats;
 
 pub use proto::limits::{

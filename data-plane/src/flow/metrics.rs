@@ -11,8 +11,9 @@ use std::sync::{Arc, RwLock};
 
 use telemetry::exposition::Exposition;
 
-use super::{Priority, Refused};
-use crate::metrics::Histogram;
+use super::Refused;
+use crate::histogram::Histogram;
+use crate::priority::Priority;
 
 /// Tenants with series of their own in `prefix_router_tenant_queue_depth`.
 pub const TENANT_SERIES: usize = 64;

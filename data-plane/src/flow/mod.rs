@@ -42,9 +42,8 @@
 //! Nothing here runs while no one waits: the request path reads one atomic and the chosen
 //! instance's in-flight count.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -55,198 +54,15 @@ mod rates;
 pub use metrics::{FlowMetrics, TenantSeries, OTHER_TENANT, TENANT_SERIES};
 pub use rates::{RateLimits, RateReport, RateState};
 
-use crate::config::Config;
 use crate::load::{now_ms, VariantLoad};
+use crate::priority::{Priority, Who};
+use crate::queue::{Grant, Home};
 use crate::table::{RoutingTable, Strategy, Variant};
 
-pub const X_TENANT: HeaderName = HeaderName::from_static("x-prefix-router-tenant");
-pub const X_PRIORITY: HeaderName = HeaderName::from_static("x-prefix-router-priority");
 pub const X_QUEUE_TIMEOUT_MS: HeaderName =
     HeaderName::from_static("x-prefix-router-queue-timeout-ms");
 /// On a response that waited: how long, in milliseconds.
 pub const X_QUEUED_MS: HeaderName = HeaderName::from_static("x-prefix-router-queued-ms");
-
-/// The longest tenant name a header or key file may give.
-pub const MAX_TENANT_LEN: usize = 64;
-
-/// How urgent a request is. Ordered: a higher one is served first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub enum Priority {
-    Sheddable = 0,
-    #[default]
-    Standard = 1,
-    Critical = 2,
-}
-
-impl Priority {
-    pub const ALL: [Priority; 3] = [Priority::Critical, Priority::Standard, Priority::Sheddable];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Sheddable => "sheddable",
-            Priority::Standard => "standard",
-            Priority::Critical => "critical",
-        }
-    }
-
-    /// A request's priority: `x-prefix-router-priority` (default: `default`, its variant's
-    /// `default_priority`) capped by its key's (`standard` for a key that names none; `None`: no
-    /// keys, the header is trusted).
-    pub fn of(
-        headers: &HeaderMap,
-        key: Option<&KeyPolicy>,
-        default: Priority,
-    ) -> Result<Priority, String> {
-        let asked = match headers.get(X_PRIORITY) {
-            None => default,
-            Some(v) => v.to_str().ok().and_then(Priority::parse).ok_or_else(|| {
-                format!(
-                    "invalid {X_PRIORITY} {:?}: expected critical, standard or sheddable",
-                    String::from_utf8_lossy(v.as_bytes())
-                )
-            })?,
-        };
-        Ok(match key {
-            Some(k) => asked.min(k.priority.unwrap_or(Priority::Standard)),
-            None => asked,
-        })
-    }
-
-    pub fn parse(s: &str) -> Option<Priority> {
-        match s {
-            "sheddable" => Some(Priority::Sheddable),
-            "standard" => Some(Priority::Standard),
-            "critical" => Some(Priority::Critical),
-            _ => None,
-        }
-    }
-}
-
-/// What an API key's line in `--api-key-file` says of its holder: `KEY [tenant=NAME]
-/// [priority=P]`. A key without a priority may ask for `standard` at most.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct KeyPolicy {
-    pub tenant: Option<Arc<str>>,
-    pub priority: Option<Priority>,
-    /// `rpm=N tpm=N`: the tenant's rate limits (a line with them must name its tenant).
-    pub rates: Rates,
-}
-
-/// A tenant's rate limits: requests and prompt tokens per minute.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Rates {
-    pub requests_per_minute: Option<u32>,
-    pub tokens_per_minute: Option<u32>,
-}
-
-impl Rates {
-    pub fn is_limited(&self) -> bool {
-        self.requests_per_minute.is_some() || self.tokens_per_minute.is_some()
-    }
-}
-
-impl KeyPolicy {
-    /// Parses the text after a key (`credentials::LabelParser`); errors name the field.
-    pub fn parse(label: Option<&str>) -> Result<KeyPolicy, String> {
-        let mut policy = KeyPolicy::default();
-        for field in label.unwrap_or("").split_whitespace() {
-            match field.split_once('=') {
-                Some(("tenant", name)) => {
-                    check_tenant(name).map_err(|e| format!("tenant={name:?}: {e}"))?;
-                    policy.tenant = Some(name.into());
-                }
-                Some(("priority", p)) => {
-                    policy.priority = Some(Priority::parse(p).ok_or_else(|| {
-                        format!("priority={p:?}: expected critical, standard or sheddable")
-                    })?);
-                }
-                Some((name @ ("rpm" | "tpm"), n)) => {
-                    let n: u32 = n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
-                        format!("{name}={n:?}: expected a whole number of at least 1 per minute")
-                    })?;
-                    match name {
-                        "rpm" => policy.rates.requests_per_minute = Some(n),
-                        _ => policy.rates.tokens_per_minute = Some(n),
-                    }
-                }
-                _ => {
-                    return Err(format!(
-                        "unexpected {:?} after the key: expected tenant=NAME, priority=P, rpm=N \
-                         or tpm=N",
-                        field.chars().take(24).collect::<String>()
-                    ))
-                }
-            }
-        }
-        if policy.rates.is_limited() && policy.tenant.is_none() {
-            return Err("rpm= and tpm= limit a tenant: add tenant=NAME".to_string());
-        }
-        Ok(policy)
-    }
-}
-
-fn check_tenant(name: &str) -> Result<(), &'static str> {
-    if name.is_empty() || name.len() > MAX_TENANT_LEN {
-        return Err("a tenant name is 1 to 64 characters");
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"-_.:@".contains(&b))
-    {
-        return Err("a tenant name is letters, digits and - _ . : @");
-    }
-    Ok(())
-}
-
-/// The tenant `x-prefix-router-tenant` names, checked (`None`: the key names its tenant, or the
-/// header is absent). Called on every request that flow control sees, so that a bad header is
-/// refused whether the request would wait or not; nothing is kept.
-pub fn tenant_header<'h>(
-    headers: &'h HeaderMap,
-    key: Option<&KeyPolicy>,
-) -> Result<Option<&'h str>, String> {
-    if key.is_some_and(|k| k.tenant.is_some()) {
-        return Ok(None);
-    }
-    let Some(v) = headers.get(X_TENANT) else {
-        return Ok(None);
-    };
-    let name = v.to_str().map_err(|_| {
-        format!("invalid {X_TENANT}: a tenant name is letters, digits and - _ . : @")
-    })?;
-    check_tenant(name).map_err(|e| format!("invalid {X_TENANT} {name:?}: {e}"))?;
-    Ok(Some(name))
-}
-
-/// Who sent a request and how urgent it is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Who {
-    pub tenant: Arc<str>,
-    pub priority: Priority,
-}
-
-impl Who {
-    /// From the key's policy (`None`: no keys configured, the headers are trusted) and the
-    /// headers: the key's tenant, else `x-prefix-router-tenant`, else `default`; the priority
-    /// header (else the variant's `default_priority`) capped by the key's priority (`standard`
-    /// for a key that names none). Errors name the header and its value.
-    pub fn of(
-        headers: &HeaderMap,
-        key: Option<&KeyPolicy>,
-        default_priority: Priority,
-    ) -> Result<Who, String> {
-        let priority = Priority::of(headers, key, default_priority)?;
-        let tenant = match (
-            key.and_then(|k| k.tenant.clone()),
-            tenant_header(headers, key)?,
-        ) {
-            (Some(t), _) => t,
-            (None, Some(name)) => name.into(),
-            (None, None) => Arc::from("default"),
-        };
-        Ok(Who { tenant, priority })
-    }
-}
 
 /// The router's flow-control settings and the count of requests waiting in it.
 #[derive(Debug)]
@@ -263,13 +79,23 @@ pub struct FlowControl {
     drained: tokio::sync::Notify,
 }
 
+/// What [`FlowControl`] is told at start (from `--flow-control`, `--instance-max-in-flight`,
+/// `--queue-timeout-ms` and `--max-queued`).
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    pub enabled: bool,
+    pub instance_max_in_flight: u64,
+    pub queue_timeout: Duration,
+    pub max_queued: usize,
+}
+
 impl FlowControl {
-    pub fn new(config: &Config) -> Self {
+    pub fn new(settings: Settings) -> Self {
         FlowControl {
-            enabled: config.flow_control == Switch::On,
-            instance_max_in_flight: config.instance_max_in_flight,
-            queue_timeout: Duration::from_millis(config.queue_timeout_ms),
-            max_queued: usize::try_from(config.max_queued).unwrap_or(usize::MAX),
+            enabled: settings.enabled,
+            instance_max_in_flight: settings.instance_max_in_flight,
+            queue_timeout: settings.queue_timeout,
+            max_queued: settings.max_queued,
             queued: AtomicUsize::new(0),
             rates: RateLimits::default(),
             draining: Default::default(),
@@ -469,173 +295,9 @@ impl Refused {
     }
 }
 
-/// What a waiter is told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Grant {
-    /// A place freed (on the instance of this [`instance_id`]; 0: any): try again.
-    Go(usize),
-    /// Leave: a more urgent request took the place.
-    Shed,
-}
-
-struct Waiter {
-    id: u64,
-    wake: oneshot::Sender<Grant>,
-    /// The [`instance_id`] of the instance its placement chose.
-    home: usize,
-    /// Until then a place on its home goes to it before one elsewhere (PREFIX_AWARE affinity);
-    /// `None`: any place, in turn.
-    patient_until: Option<Instant>,
-}
-
-impl Waiter {
-    /// Whether it takes a place freed on `freed` (0: any instance) at `now`.
-    fn takes(&self, freed: usize, now: Instant) -> bool {
-        freed == 0 || self.home == freed || self.patient_until.is_none_or(|t| now >= t)
-    }
-}
-
-/// Which instance a place freed on, as waiters name their home: the address of its state (the
-/// same `Arc` across tables that keep the instance; never 0).
-pub fn instance_id(state: &Arc<crate::load::InstanceState>) -> usize {
-    Arc::as_ptr(state) as usize
-}
-
 /// The share of its wait during which a PREFIX_AWARE request lets other waiters take places freed
 /// away from its own instance (whose cache has its prefix) first.
 pub const PATIENCE_SHARE: f64 = 0.25;
-
-struct TenantQueue {
-    tenant: Arc<str>,
-    waiters: VecDeque<Waiter>,
-}
-
-#[derive(Default)]
-struct Waiting {
-    /// Per priority (index: `Priority as usize`), the tenants with waiters in round-robin order.
-    classes: [VecDeque<TenantQueue>; 3],
-    next_id: u64,
-}
-
-impl Waiting {
-    fn push(&mut self, who: &Who, waiter: Waiter, front: bool) {
-        let class = &mut self.classes[who.priority as usize];
-        match class.iter().position(|t| t.tenant == who.tenant) {
-            Some(i) if front => {
-                let mut t = class.remove(i).expect("a tenant at its position");
-                t.waiters.push_front(waiter);
-                class.push_front(t);
-            }
-            Some(i) => class[i].waiters.push_back(waiter),
-            None => {
-                let t = TenantQueue {
-                    tenant: who.tenant.clone(),
-                    waiters: VecDeque::from([waiter]),
-                };
-                if front {
-                    class.push_front(t)
-                } else {
-                    class.push_back(t)
-                }
-            }
-        }
-    }
-
-    /// The next waiter: the most urgent class, its next tenant in turn.
-    fn pop(&mut self) -> Option<Waiter> {
-        for p in Priority::ALL {
-            let class = &mut self.classes[p as usize];
-            while let Some(mut t) = class.pop_front() {
-                if let Some(w) = t.waiters.pop_front() {
-                    if !t.waiters.is_empty() {
-                        class.push_back(t);
-                    }
-                    return Some(w);
-                }
-            }
-        }
-        None
-    }
-
-    /// The next waiter, in [`Waiting::pop`]'s order, that takes a place freed on `freed` at
-    /// `now`: waiters holding out for other instances keep their turn.
-    fn pop_for(&mut self, freed: usize, now: Instant) -> Option<Waiter> {
-        for p in Priority::ALL {
-            let class = &mut self.classes[p as usize];
-            let found = class.iter().enumerate().find_map(|(i, t)| {
-                let j = t.waiters.iter().position(|w| w.takes(freed, now))?;
-                Some((i, j))
-            });
-            if let Some((i, j)) = found {
-                let mut t = class.remove(i).expect("a tenant at its position");
-                let w = t.waiters.remove(j).expect("a waiter at its position");
-                if !t.waiters.is_empty() {
-                    class.push_back(t);
-                }
-                return Some(w);
-            }
-        }
-        None
-    }
-
-    /// The youngest waiter of the least urgent class below `above` that has any.
-    fn pop_less_urgent(&mut self, above: Priority) -> Option<Waiter> {
-        let p = (Priority::Sheddable as usize..above as usize)
-            .find(|&p| !self.classes[p].is_empty())?;
-        let class = &mut self.classes[p];
-        let (i, _) = class
-            .iter()
-            .enumerate()
-            .filter_map(|(i, t)| t.waiters.back().map(|w| (i, w.id)))
-            .max_by_key(|&(_, id)| id)?;
-        take_youngest(class, i)
-    }
-
-    /// When the queue is full for `who` and no less urgent request waits: the youngest waiter
-    /// of the tenant with the most waiting in `who`'s class, if that tenant has at least two
-    /// more waiting than `who`'s own (a flood does not keep a quieter tenant out of a full queue).
-    fn pop_from_busiest(&mut self, who: &Who) -> Option<Waiter> {
-        let p = who.priority as usize;
-        let own = self.classes[p]
-            .iter()
-            .find(|t| t.tenant == who.tenant)
-            .map_or(0, |t| t.waiters.len());
-        let (i, len) = self.classes[p]
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (i, t.waiters.len()))
-            .max_by_key(|&(_, len)| len)?;
-        let class = &mut self.classes[p];
-        if class[i].tenant == who.tenant || len < own + 2 {
-            return None;
-        }
-        take_youngest(class, i)
-    }
-
-    fn remove(&mut self, who: &Who, id: u64) -> bool {
-        let class = &mut self.classes[who.priority as usize];
-        let Some(i) = class.iter().position(|t| t.tenant == who.tenant) else {
-            return false;
-        };
-        let Some(j) = class[i].waiters.iter().position(|w| w.id == id) else {
-            return false;
-        };
-        class[i].waiters.remove(j);
-        if class[i].waiters.is_empty() {
-            class.remove(i);
-        }
-        true
-    }
-}
-
-/// The youngest waiter of the `i`th tenant of `class`; a tenant left with none leaves the ring.
-fn take_youngest(class: &mut VecDeque<TenantQueue>, i: usize) -> Option<Waiter> {
-    let w = class[i].waiters.pop_back();
-    if class[i].waiters.is_empty() {
-        class.remove(i);
-    }
-    w
-}
 
 /// Requests waiting per endpoint of `table`, by priority: endpoints where none waits are left out.
 pub fn endpoint_queues(table: &RoutingTable) -> Vec<proto::EndpointQueue> {
@@ -656,90 +318,6 @@ pub fn endpoint_queues(table: &RoutingTable) -> Vec<proto::EndpointQueue> {
             })
         })
         .collect()
-}
-
-/// A variant's waiting requests (kept in its [`VariantLoad`], so that it outlives table
-/// changes that keep the variant).
-#[derive(Default)]
-pub struct Queue {
-    /// Waiters in `waiting` (read without the lock on every request).
-    len: AtomicUsize,
-    waiting: Mutex<Waiting>,
-}
-
-impl std::fmt::Debug for Queue {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Queue")
-            .field("len", &self.len.load(Relaxed))
-            .finish()
-    }
-}
-
-impl Queue {
-    /// Whether anyone waits.
-    #[inline]
-    pub fn is_empty(&self) -> bool {
-        self.len.load(Relaxed) == 0
-    }
-
-    /// Waiters now.
-    pub fn len(&self) -> usize {
-        self.len.load(Relaxed)
-    }
-
-    /// Waiters now by priority (index: `Priority as usize`).
-    pub fn depths(&self) -> [u32; 3] {
-        if self.is_empty() {
-            return [0; 3];
-        }
-        let waiting = self.lock();
-        waiting.classes.each_ref().map(|class| {
-            let n: usize = class.iter().map(|t| t.waiters.len()).sum();
-            u32::try_from(n).unwrap_or(u32::MAX)
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A place freed on the instance of [`instance_id`] `freed` (0: some instance): the next
-    /// waiter that takes it (see [`Waiter::takes`]), else the next waiter, may.
-    pub fn release(&self, freed: usize) {
-        if self.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        let mut waiting = self.lock();
-        // the next waiter that takes it, else the next one: no place stays idle while any wait
-        while let Some(w) = waiting.pop_for(freed, now).or_else(|| waiting.pop()) {
-            self.len.fetch_sub(1, Relaxed);
-            if w.wake.send(Grant::Go(freed)).is_ok() {
-                return;
-            }
-        }
-    }
-
-    /// Wakes every waiter (its variant is gone from the table: see
-    /// [`FlowControl::table_changed`]).
-    fn release_all(&self) {
-        let woken: Vec<Waiter> = {
-            let mut waiting = self.lock();
-            std::iter::from_fn(|| waiting.pop()).collect()
-        };
-        self.len.fetch_sub(woken.len(), Relaxed);
-        for w in woken {
-            let _ = w.wake.send(Grant::Go(0));
-        }
-    }
-}
-
-/// Where a waiter would rather go: a place freed on `instance` ([`instance_id`]) goes to it before
-/// the waiters ahead of it until `patient_until` (PREFIX_AWARE affinity; `None`: none).
-#[derive(Debug, Clone, Copy)]
-pub struct Home {
-    pub instance: usize,
-    pub patient_until: Option<Instant>,
 }
 
 /// A request's place in a variant's queue; leaving (drop) takes it out.
@@ -772,36 +350,12 @@ impl<'a> Ticket<'a> {
         if flow.is_draining() {
             return Err(Refused::Draining);
         }
-        let queue = load.flow();
-        let mut waiting = queue.lock();
-        if flow.queued.fetch_add(1, Relaxed) >= flow.max_queued {
-            let shed = waiting
-                .pop_less_urgent(who.priority)
-                .or_else(|| waiting.pop_from_busiest(who));
-            match shed {
-                Some(w) => {
-                    // its ticket counts itself out when it reads the grant
-                    queue.len.fetch_sub(1, Relaxed);
-                    let _ = w.wake.send(Grant::Shed);
-                }
-                None => {
-                    flow.queued.fetch_sub(1, Relaxed);
-                    return Err(Refused::Full);
-                }
-            }
+        let mut line = load.flow().line();
+        if flow.queued.fetch_add(1, Relaxed) >= flow.max_queued && !line.shed_for(who) {
+            flow.queued.fetch_sub(1, Relaxed);
+            return Err(Refused::Full);
         }
-        let (tx, rx) = oneshot::channel();
-        let id = waiting.next_id;
-        waiting.next_id += 1;
-        let waiter = Waiter {
-            id,
-            wake: tx,
-            home: home.instance,
-            patient_until: home.patient_until,
-        };
-        waiting.push(who, waiter, front);
-        queue.len.fetch_add(1, Relaxed);
-        drop(waiting);
+        let (id, wake) = line.join(who, home, front);
         metrics.queued(who.priority, series);
         Ok(Ticket {
             flow,
@@ -810,7 +364,7 @@ impl<'a> Ticket<'a> {
             who: who.clone(),
             series,
             id,
-            wake: rx,
+            wake,
             queued: true,
         })
     }
@@ -847,14 +401,7 @@ impl Drop for Ticket<'_> {
             return;
         }
         let queue = self.load.flow();
-        let removed = {
-            let mut waiting = queue.lock();
-            let removed = waiting.remove(&self.who, self.id);
-            if removed {
-                queue.len.fetch_sub(1, Relaxed);
-            }
-            removed
-        };
+        let removed = queue.leave(&self.who, self.id);
         // Granted as it left (a place freed for it that it will not take): pass it on.
         if !removed {
             if let Ok(Grant::Go(freed)) = self.wake.try_recv() {
@@ -876,214 +423,4 @@ pub fn queued_header(start: Instant) -> HeaderValue {
 
 fn variants(t: &RoutingTable) -> Vec<&Variant> {
     t.endpoints().flat_map(|e| e.variants().iter()).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    impl Waiter {
-        /// A waiter that takes any place.
-        fn any(id: u64, wake: oneshot::Sender<Grant>) -> Self {
-            Waiter {
-                id,
-                wake,
-                home: 0,
-                patient_until: None,
-            }
-        }
-    }
-
-    #[test]
-    fn a_place_goes_first_to_a_waiter_whose_home_it_is_or_who_holds_out_no_longer() {
-        let mut w = Waiting::default();
-        let now = Instant::now();
-        let later = Some(now + Duration::from_secs(60));
-        let chat = who("chat", Priority::Standard);
-        // ids 0-2 hold out for homes 10, 20 and 10; id 3 held out until just now
-        for (id, home, until) in [
-            (0, 10, later),
-            (1, 20, later),
-            (2, 10, later),
-            (3, 30, Some(now)),
-        ] {
-            let (tx, _rx) = oneshot::channel();
-            let waiter = Waiter {
-                id,
-                wake: tx,
-                home,
-                patient_until: until,
-            };
-            w.push(&chat, waiter, false);
-        }
-        let id = |w: Option<Waiter>| w.map(|w| w.id);
-        assert_eq!(
-            id(w.pop_for(20, now)),
-            Some(1),
-            "the one whose home it is, queued second"
-        );
-        assert_eq!(
-            id(w.pop_for(40, now)),
-            Some(3),
-            "the one that holds out no longer"
-        );
-        assert_eq!(id(w.pop_for(40, now)), None, "the others hold out");
-        assert_eq!(
-            id(w.pop_for(0, now)),
-            Some(0),
-            "a place on any instance: in turn"
-        );
-        assert_eq!(id(w.pop()), Some(2));
-    }
-
-    fn who(tenant: &str, p: Priority) -> Who {
-        Who {
-            tenant: tenant.into(),
-            priority: p,
-        }
-    }
-
-    #[test]
-    fn the_most_urgent_class_goes_first_and_tenants_take_turns() {
-        let mut w = Waiting::default();
-        let mut rx = Vec::new();
-        let mut push = |w: &mut Waiting, who: &Who, id: u64| {
-            let (tx, r) = oneshot::channel();
-            w.push(who, Waiter::any(id, tx), false);
-            rx.push(r);
-        };
-        let (a, b) = (who("a", Priority::Standard), who("b", Priority::Standard));
-        for id in 0..4 {
-            push(&mut w, &a, id); // a floods first
-        }
-        push(&mut w, &b, 10);
-        push(&mut w, &b, 11);
-        push(&mut w, &who("batch", Priority::Sheddable), 20);
-        push(&mut w, &who("chat", Priority::Critical), 30);
-        let order: Vec<u64> = std::iter::from_fn(|| w.pop().map(|x| x.id)).collect();
-        assert_eq!(order, [30, 0, 10, 1, 11, 2, 3, 20]);
-    }
-
-    #[test]
-    fn a_shed_takes_the_youngest_sheddable_and_removal_finds_its_waiter() {
-        let mut w = Waiting::default();
-        let s1 = who("s1", Priority::Sheddable);
-        let s2 = who("s2", Priority::Sheddable);
-        for (who, id) in [(&s1, 1), (&s2, 2), (&s1, 3)] {
-            let (tx, _) = oneshot::channel();
-            w.push(who, Waiter::any(id, tx), false);
-        }
-        assert_eq!(w.pop_less_urgent(Priority::Standard).map(|x| x.id), Some(3));
-        assert!(
-            w.pop_less_urgent(Priority::Sheddable).is_none(),
-            "nothing below sheddable"
-        );
-        assert!(w.remove(&s2, 2));
-        assert!(!w.remove(&s2, 2));
-        assert_eq!(w.pop().map(|x| x.id), Some(1));
-        assert!(w.pop().is_none());
-    }
-
-    #[test]
-    fn a_full_queue_gives_a_quiet_tenant_the_place_of_the_floods_youngest() {
-        let mut w = Waiting::default();
-        let flood = who("flood", Priority::Standard);
-        for id in 0..3 {
-            let (tx, _) = oneshot::channel();
-            w.push(&flood, Waiter::any(id, tx), false);
-        }
-        let quiet = who("quiet", Priority::Standard);
-        assert_eq!(w.pop_from_busiest(&quiet).map(|x| x.id), Some(2));
-        // the flood's own requests do not displace each other
-        assert!(w.pop_from_busiest(&flood).is_none());
-        let (tx, _) = oneshot::channel();
-        w.push(&quiet, Waiter::any(5, tx), false);
-        assert!(
-            w.pop_from_busiest(&quiet).is_none(),
-            "2 against 1: close enough"
-        );
-        // a more urgent class is never displaced by a less urgent one
-        for id in 10..14 {
-            let (tx, _) = oneshot::channel();
-            w.push(&who("vip", Priority::Critical), Waiter::any(id, tx), false);
-        }
-        assert!(w
-            .pop_from_busiest(&who("other", Priority::Sheddable))
-            .is_none());
-        assert_eq!(
-            w.pop_from_busiest(&who("boss", Priority::Critical))
-                .map(|x| x.id),
-            Some(13)
-        );
-    }
-
-    #[test]
-    fn key_lines_name_tenant_and_priority_and_bad_fields_are_named() {
-        assert_eq!(KeyPolicy::parse(None).unwrap(), KeyPolicy::default());
-        let p = KeyPolicy::parse(Some("tenant=chat priority=critical")).unwrap();
-        assert_eq!(p.tenant.as_deref(), Some("chat"));
-        assert_eq!(p.priority, Some(Priority::Critical));
-        let e = KeyPolicy::parse(Some("priority=urgent")).unwrap_err();
-        assert!(e.contains("priority=\"urgent\""), "{e}");
-        let e = KeyPolicy::parse(Some("tenant=a/b")).unwrap_err();
-        assert!(e.contains("tenant=\"a/b\""), "{e}");
-        let e = KeyPolicy::parse(Some("burst")).unwrap_err();
-        assert!(e.contains("\"burst\""), "{e}");
-    }
-
-    #[test]
-    fn a_key_caps_the_priority_its_holder_asks_for() {
-        let mut h = HeaderMap::new();
-        h.insert(X_PRIORITY, HeaderValue::from_static("critical"));
-        h.insert(X_TENANT, HeaderValue::from_static("spoofed"));
-        // no keys: the headers are trusted
-        assert_eq!(
-            Who::of(&h, None, Priority::Standard).unwrap(),
-            who("spoofed", Priority::Critical)
-        );
-        // a key without a priority may ask for standard at most; its tenant wins
-        let key = KeyPolicy::parse(Some("tenant=batch")).unwrap();
-        assert_eq!(
-            Who::of(&h, Some(&key), Priority::Standard).unwrap(),
-            who("batch", Priority::Standard)
-        );
-        let key = KeyPolicy::parse(Some("priority=critical")).unwrap();
-        assert_eq!(
-            Who::of(&h, Some(&key), Priority::Standard).unwrap(),
-            who("spoofed", Priority::Critical)
-        );
-        h.insert(X_PRIORITY, HeaderValue::from_static("sheddable"));
-        assert_eq!(
-            Who::of(&h, Some(&key), Priority::Standard)
-                .unwrap()
-                .priority,
-            Priority::Sheddable
-        );
-        h.insert(X_PRIORITY, HeaderValue::from_static("high"));
-        let e = Who::of(&h, None, Priority::Standard).unwrap_err();
-        assert!(e.contains("x-prefix-router-priority \"high\""), "{e}");
-        assert_eq!(
-            Who::of(&HeaderMap::new(), None, Priority::Standard).unwrap(),
-            who("default", Priority::Standard)
-        );
-        // a request that names no priority has its variant's default, capped by its key's
-        let none = HeaderMap::new();
-        assert_eq!(
-            Who::of(&none, None, Priority::Sheddable).unwrap().priority,
-            Priority::Sheddable
-        );
-        let plain = KeyPolicy::parse(Some("tenant=chat")).unwrap();
-        assert_eq!(
-            Who::of(&none, Some(&plain), Priority::Critical)
-                .unwrap()
-                .priority,
-            Priority::Standard
-        );
-        assert_eq!(
-            Who::of(&none, Some(&key), Priority::Critical)
-                .unwrap()
-                .priority,
-            Priority::Critical
-        );
-    }
 }

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
-use super::{Rates, Refused};
+use super::Refused;
+use crate::priority::Rates;
 
 /// Token buckets of the tenants whose keys carry `rpm=`/`tpm=` (tenants come from the key file,
 /// so the map stays as small as it). Each bucket holds a minute's worth and refills continuously.
@@ -168,7 +169,7 @@ fn duration_text(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::KeyPolicy;
+    use crate::priority::KeyPolicy;
 
     #[test]
     fn a_tenants_buckets_hold_a_minute_and_refill_continuously() {

@@ -30,11 +30,13 @@ use self::request::routing_headers;
 use crate::access::{self, Access};
 use crate::config::Config;
 use crate::decision::FrontDoor;
-use crate::flow::{FlowControl, Home, KeyPolicy, Priority, Refused, Ticket, Who, X_QUEUED_MS};
+use crate::flow::{self, FlowControl, Refused, Switch, Ticket, X_QUEUED_MS};
 use crate::load::{now_ms, InFlight};
 use crate::metrics::Metrics;
 use crate::placement::{Placement, Route, RouteRequest};
+use crate::priority::{KeyPolicy, Priority, Who};
 use crate::prompt::BodyKind;
+use crate::queue::Home;
 use crate::response::{coded_error_response, error_response, json_response, ResponseBody};
 use crate::spans::{record_queue, record_route, record_status, route_span};
 use crate::table::RoutingTable;
@@ -123,7 +125,12 @@ impl Router {
             .with_hot_key_spread(config.hot_key_spread),
             metrics: Metrics::with_workers(config.resolved_workers()),
             access,
-            flow: FlowControl::new(config),
+            flow: FlowControl::new(flow::Settings {
+                enabled: config.flow_control == Switch::On,
+                instance_max_in_flight: config.instance_max_in_flight,
+                queue_timeout: Duration::from_millis(config.queue_timeout_ms),
+                max_queued: usize::try_from(config.max_queued).unwrap_or(usize::MAX),
+            }),
             upstream_tls,
             max_body_bytes: config.max_body_bytes,
             request_timeout: config.request_timeout(),
@@ -482,7 +489,7 @@ impl Router {
         };
         let priority = Priority::of(headers, key, v.default_priority()).map_err(bad)?;
         // the other flow headers too, so that a bad one is refused whether or not it would wait
-        crate::flow::tenant_header(headers, key).map_err(bad)?;
+        crate::priority::tenant_header(headers, key).map_err(bad)?;
         let timeout = self.flow.timeout(headers).map_err(bad)?;
         let limit = self.flow.variant_limit(v, priority);
         let queue = v.load().flow();
@@ -512,7 +519,7 @@ impl Router {
         // its tenant's series in the depth gauge, resolved once however often it queues
         let series = self.metrics.flow.tenant_series(&who.tenant);
         let mut front = requeued.is_some();
-        let own = crate::flow::instance_id(v.instances()[route.instance].state());
+        let own = v.instances()[route.instance].state().id();
         // PREFIX_AWARE: the first share of the wait goes to the instance whose cache has the prefix
         let patient_until = route.key.map(|_| {
             let wait = until.into_std().saturating_duration_since(start);
@@ -539,7 +546,7 @@ impl Router {
             // pairs with `InFlight`'s drop: it sees this waiter, or this sees its place)
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             for i in (0..v.instances().len()).filter(|&i| usable(i)) {
-                queue.release(crate::flow::instance_id(v.instances()[i].state()));
+                queue.release(v.instances()[i].state().id());
             }
             if let Err(r) = ticket.wait(until).await {
                 break r;
