@@ -757,28 +757,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_homes_pass_is_overdue_once_its_time_and_its_requests_have_passed() {
-        let t = crate::placement::Tuning::default();
-        let (ms, n) = (t.home_interval_ms, t.home_interval_requests);
-        let h = Homes::default();
-        assert!(
-            !h.pass_overdue(10_000, 10 * ms, ms, n),
-            "no pass yet: none overdue"
-        );
-        h.mark_pass(100, 1_000);
-        assert!(!h.pass_overdue(100 + n, 1_000 + ms - 1, ms, n), "too soon");
-        assert!(
-            !h.pass_overdue(100 + n - 1, 1_000 + 10 * ms, ms, n),
-            "too few requests"
-        );
-        assert!(h.pass_overdue(100 + n, 1_000 + ms, ms, n));
-        assert!(
-            !h.pass_overdue(100 + n, 1_000 + ms, ms, n),
-            "one caller runs it"
-        );
-    }
-
-    #[test]
     fn a_half_window_ends_after_its_requests_or_its_time_whichever_comes_first() {
         let v = VariantLoad::default();
         let t0 = 1_000;

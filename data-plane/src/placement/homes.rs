@@ -273,7 +273,7 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
         let copies = cache.take_copy_miss_rate().filter(|_| copies_overflowed);
         tracing::debug!(
             variant = v.name(),
-                instance = i,
+            instance = i,
             ?plain,
             ?copies,
             k = held_at(i, hashes[i]),

@@ -1346,6 +1346,28 @@ fn an_overflow_bounds_an_instance_to_about_what_its_revisits_show_it_holds() {
 }
 
 #[test]
+fn the_homes_pass_is_overdue_once_its_time_and_its_requests_have_passed() {
+    let t = Tuning::default();
+    let (ms, n) = (t.home_interval_ms, t.home_interval_requests);
+    let h = crate::load::Homes::default();
+    assert!(
+        !h.pass_overdue(10_000, 10 * ms, ms, n),
+        "no pass yet: none overdue"
+    );
+    h.mark_pass(100, 1_000);
+    assert!(!h.pass_overdue(100 + n, 1_000 + ms - 1, ms, n), "too soon");
+    assert!(
+        !h.pass_overdue(100 + n - 1, 1_000 + 10 * ms, ms, n),
+        "too few requests"
+    );
+    assert!(h.pass_overdue(100 + n, 1_000 + ms, ms, n));
+    assert!(
+        !h.pass_overdue(100 + n, 1_000 + ms, ms, n),
+        "one caller runs it"
+    );
+}
+
+#[test]
 fn an_overflow_at_an_even_spread_bounds_the_caches_to_it() {
     // Routers that disagree put more on an engine than any one of them counted there: an
     // instance this router gave an even spread of the reused keys (2 of 8 on 4) or fewer, whose
