@@ -234,7 +234,7 @@ impl Queue {
     }
 
     /// A place freed on the instance of id `freed` ([`Home`]) (0: some instance): the next
-    /// waiter that takes it (see [`Waiter::takes`]), else the next waiter, may.
+    /// waiter that takes it (see `Waiter::takes`), else the next waiter, may.
     pub fn release(&self, freed: usize) {
         if self.is_empty() {
             return;
