@@ -14,7 +14,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
-use tokio::sync::oneshot;
+use test_support::InProcessServer;
 use tokio::task::JoinHandle;
 
 /// Everything 100x faster than real time: an 8,000-token miss takes ~2.8 ms.
@@ -30,30 +30,23 @@ pub struct TestServer {
     pub addr: SocketAddr,
     pub engine: Arc<Engine>,
     pub client: Client<HttpConnector, Full<Bytes>>,
-    shutdown: Option<oneshot::Sender<()>>,
+    server: InProcessServer,
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
 
 impl TestServer {
     pub async fn start(config: Config) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let engine = Engine::new(config);
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(engine_sim::serve_engine(
-            listener,
-            Arc::clone(&engine),
-            async move {
-                let _ = rx.await;
-            },
-        ));
+        let serving = Arc::clone(&engine);
+        let server =
+            InProcessServer::start(|l, stop| engine_sim::serve_engine(l, serving, stop)).await;
         let client = Client::builder(TokioExecutor::new()).build_http();
         Self {
-            addr,
+            addr: server.addr,
             engine,
             client,
-            shutdown: Some(tx),
-            task: Some(task),
+            server,
+            task: None,
         }
     }
 
@@ -115,12 +108,14 @@ impl TestServer {
     }
 
     pub fn trigger_shutdown(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+        if self.task.is_none() {
+            self.task = Some(self.server.begin_shutdown());
         }
     }
 
+    /// Waits for the drain to finish (starting the shutdown if [`Self::trigger_shutdown`] has not).
     pub async fn join(&mut self) {
+        self.trigger_shutdown();
         if let Some(task) = self.task.take() {
             tokio::time::timeout(Duration::from_secs(10), task)
                 .await
