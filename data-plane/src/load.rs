@@ -238,7 +238,7 @@ const HOME_CANDIDATES: usize = 1024;
 const HOME_WAYS: usize = 4;
 
 /// PREFIX_AWARE's homes for a variant's reused keys (assigned by `placement::homes`): the keys
-/// this router placed most often (a table of key hashes in sets of [`HOME_WAYS`] slots: a key
+/// this router placed most often (a table of key hashes in sets of `HOME_WAYS` slots: a key
 /// takes a free slot of its set, else the slot of the set's least used key if it is used more;
 /// direct-mapped, two of 8 documents fell in one slot on one text draw of the small-cache bench,
 /// and the pass never counted the one that lost) and the last assignment of those keys to
