@@ -326,7 +326,7 @@ async fn api_keys_name_the_tenant_and_cap_the_priority() {
     // a bad line names the field
     std::fs::write(&keys, "sk-x priority=urgent\n").unwrap();
     let e = data_plane::serve(
-        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        test_support::bind_loopback().await,
         Config {
             api_key_file: Some(keys),
             ..Config::default()

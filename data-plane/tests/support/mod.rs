@@ -26,6 +26,7 @@ use proto::{
     EndpointRoutes, PrefixAwareRoutingConfig, RoutingConfig, RoutingStrategy, VariantRoutes,
     WatchRoutingTableRequest, WatchRoutingTableResponse,
 };
+use test_support::{bind_loopback, InProcessServer};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -109,7 +110,7 @@ impl RoutingDiscovery for MockService {
 
 impl MockControlPlane {
     pub async fn start() -> Self {
-        Self::start_on(TcpListener::bind("127.0.0.1:0").await.unwrap()).await
+        Self::start_on(bind_loopback().await).await
     }
 
     pub async fn start_on(listener: TcpListener) -> Self {
@@ -383,7 +384,7 @@ impl Backend {
     }
 
     pub async fn start_with(name: &str, behavior: Behavior) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = bind_loopback().await;
         let addr = listener.local_addr().unwrap();
         let (release, release_rx) = watch::channel(0u64);
         let (stream_tx, stream_rx) = mpsc::unbounded_channel();
@@ -475,24 +476,18 @@ pub fn urls(backends: &[Backend]) -> Vec<String> {
 
 // ---------------------------------------------------------------- router and client
 
+/// A router served in this process on a loopback port; asked to stop when dropped.
 pub struct RouterHandle {
     pub addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    server: InProcessServer,
 }
 
 impl RouterHandle {
     pub async fn start(config: Config) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(data_plane::serve(listener, config, async move {
-            let _ = stop_rx.await;
-        }));
+        let server = InProcessServer::start(|l, stop| data_plane::serve(l, config, stop)).await;
         RouterHandle {
-            addr,
-            stop: Some(stop),
-            task: Some(task),
+            addr: server.addr,
+            server,
         }
     }
 
@@ -514,19 +509,11 @@ impl RouterHandle {
 
     /// Starts the graceful shutdown and returns the serve task's handle.
     pub fn begin_shutdown(&mut self) -> tokio::task::JoinHandle<anyhow::Result<()>> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        self.task.take().expect("already shut down")
+        self.server.begin_shutdown()
     }
 
-    pub async fn shutdown(mut self) {
-        let task = self.begin_shutdown();
-        tokio::time::timeout(WAIT, task)
-            .await
-            .expect("serve did not return")
-            .unwrap()
-            .unwrap();
+    pub async fn shutdown(self) {
+        self.server.stop_within(WAIT).await.unwrap();
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -552,14 +539,6 @@ impl RouterHandle {
 
     pub async fn metrics(&self) -> String {
         get(&self.url("/metrics")).await.text()
-    }
-}
-
-impl Drop for RouterHandle {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
     }
 }
 
