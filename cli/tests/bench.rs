@@ -2,6 +2,7 @@
 //! prefix-aware routing visibly raising the engines' own cache hit rate.
 
 use assert_cmd::Command;
+use test_support::InProcessServer;
 
 #[test]
 fn bench_writes_the_contract_json_and_prefix_aware_beats_random_on_hits() {
@@ -208,21 +209,8 @@ fn a_run_whose_requests_mostly_fail_stops_early_and_says_why() {
         .enable_all()
         .build()
         .unwrap();
-    let (url, _stop) = runtime.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", l.local_addr().unwrap());
-        let config = <engine_sim::Config as clap::Parser>::try_parse_from([
-            "engine-sim",
-            "--max-model-len",
-            "512",
-        ])
-        .unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(engine_sim::serve(l, config, async move {
-            let _ = stopped.await;
-        }));
-        (url, stop)
-    });
+    let engine = engine_sim(&runtime, &["--max-model-len", "512"]);
+    let url = engine.url();
     let out = Command::cargo_bin("prefixctl")
         .unwrap()
         .args([
@@ -270,27 +258,20 @@ fn mixed_priority_on_one_request_engines_keeps_chat_fast_under_a_batch_flood() {
     let mut urls = Vec::new();
     let mut stops = Vec::new();
     for seed in 0..4 {
-        let (url, stop) = runtime.block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let url = format!("http://{}", l.local_addr().unwrap());
-            let config = <engine_sim::Config as clap::Parser>::try_parse_from([
-                "engine-sim",
+        let seed = seed.to_string();
+        let engine = engine_sim(
+            &runtime,
+            &[
                 "--max-num-seqs",
                 "1",
                 "--time-scale",
                 "0.25",
                 "--seed",
-                &seed.to_string(),
-            ])
-            .unwrap();
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            tokio::spawn(engine_sim::serve(l, config, async move {
-                let _ = stopped.await;
-            }));
-            (url, stop)
-        });
-        urls.push(url);
-        stops.push(stop);
+                &seed,
+            ],
+        );
+        urls.push(engine.url());
+        stops.push(engine);
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mixed.json");
@@ -357,4 +338,16 @@ fn mixed_priority_on_one_request_engines_keeps_chat_fast_under_a_batch_flood() {
         row("fair", f, "b");
     }
     drop(stops);
+}
+
+/// An engine-sim started with `args`, served by `runtime` on a loopback port; it stops when
+/// dropped.
+fn engine_sim(runtime: &tokio::runtime::Runtime, args: &[&str]) -> InProcessServer {
+    let config = <engine_sim::Config as clap::Parser>::try_parse_from(
+        std::iter::once("engine-sim").chain(args.iter().copied()),
+    )
+    .unwrap();
+    runtime.block_on(InProcessServer::start(|l, stop| {
+        engine_sim::serve(l, config, stop)
+    }))
 }

@@ -6,15 +6,14 @@
 use std::time::Duration;
 
 use assert_cmd::Command;
-use tokio::sync::oneshot;
+use test_support::InProcessServer;
 
 /// A control plane served by a tokio runtime owned by the test, so the test body stays
 /// synchronous and runs the real `prefixctl` binary.
 pub struct ControlPlane {
     pub url: String,
     runtime: tokio::runtime::Runtime,
-    shutdown: Option<oneshot::Sender<()>>,
-    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    server: Option<InProcessServer>,
     _dir: tempfile::TempDir,
 }
 
@@ -50,28 +49,14 @@ impl ControlPlane {
             .enable_all()
             .build()
             .unwrap();
-        let (tx, rx) = oneshot::channel::<()>();
         let store = control_plane::open_store(dir.path()).expect("open store");
-        let (url, handle) = runtime.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind loopback");
-            let url = format!("http://{}", listener.local_addr().unwrap());
-            let handle = tokio::spawn(control_plane::serve_store(
-                listener,
-                store,
-                Duration::from_secs(1),
-                async move {
-                    let _ = rx.await;
-                },
-            ));
-            (url, handle)
-        });
+        let server = runtime.block_on(InProcessServer::start(|l, stop| {
+            control_plane::serve_store(l, store, Duration::from_secs(1), stop)
+        }));
         Self {
-            url,
+            url: server.url(),
             runtime,
-            shutdown: Some(tx),
-            handle: Some(handle),
+            server: Some(server),
             _dir: dir,
         }
     }
@@ -121,11 +106,8 @@ impl ControlPlane {
 
 impl Drop for ControlPlane {
     fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(h) = self.handle.take() {
-            let _ = self.runtime.block_on(h);
+        if let Some(mut server) = self.server.take() {
+            let _ = self.runtime.block_on(server.begin_shutdown());
         }
     }
 }
