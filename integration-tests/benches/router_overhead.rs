@@ -47,6 +47,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use proto::control_plane_client::ControlPlaneClient;
 use proto::*;
+use test_support::{bind_loopback, InProcessServer};
 use tracing_subscriber::filter::dynamic_filter_fn;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
@@ -181,8 +182,6 @@ fn client(max_idle: usize) -> HttpClient {
 
 /// Starts another in-process router with `extra` flags; returns its base URL.
 async fn extra_router(cp_url: &str, extra: &[&str], scheme: &str) -> anyhow::Result<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("{scheme}://localhost:{}", listener.local_addr()?.port());
     let mut args = vec![
         "data-plane",
         "--control-plane",
@@ -192,8 +191,10 @@ async fn extra_router(cp_url: &str, extra: &[&str], scheme: &str) -> anyhow::Res
     ];
     args.extend_from_slice(extra);
     let config = data_plane::Config::try_parse_from(args)?;
-    tokio::spawn(data_plane::serve(listener, config, std::future::pending()));
-    Ok(url)
+    let addr = InProcessServer::start(|l, stop| data_plane::serve(l, config, stop))
+        .await
+        .detach();
+    Ok(format!("{scheme}://localhost:{}", addr.port()))
 }
 
 /// A test CA and a `localhost` certificate it signed: (CA PEM, cert PEM, key PEM).
@@ -354,15 +355,13 @@ async fn main() -> anyhow::Result<()> {
 
     let backend_url = backend().await?;
     let dir = tempfile::tempdir()?;
-    let cp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let cp_url = format!("http://{}", cp_listener.local_addr()?);
     let store = control_plane::open_store(dir.path())?;
-    tokio::spawn(control_plane::serve_store(
-        cp_listener,
-        store,
-        Duration::from_secs(1),
-        std::future::pending(),
-    ));
+    let cp_url = InProcessServer::start(|l, stop| {
+        control_plane::serve_store(l, store, Duration::from_secs(1), stop)
+    })
+    .await
+    .detach();
+    let cp_url = format!("http://{cp_url}");
     let mut cp = ControlPlaneClient::connect(cp_url.clone()).await?;
     cp.create_endpoint_config(CreateEndpointConfigRequest {
         endpoint_config_name: "bench".into(),
@@ -388,8 +387,6 @@ async fn main() -> anyhow::Result<()> {
     })
     .await?;
 
-    let dp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let dp_url = format!("http://{}", dp_listener.local_addr()?);
     let flow_control: String = env("FLOW_CONTROL", "on".to_string());
     let config = data_plane::Config::try_parse_from([
         "data-plane",
@@ -403,7 +400,7 @@ async fn main() -> anyhow::Result<()> {
     // The router serves on worker threads of its own, as the binary does (`--workers`, one per
     // CPU by default); the client and the backend share this runtime.
     let picker = if with_envoy {
-        Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?)
+        Some(bind_loopback().await)
     } else {
         None
     };
@@ -411,12 +408,11 @@ async fn main() -> anyhow::Result<()> {
         Some(l) => Some(l.local_addr()?.to_string()),
         None => None,
     };
-    tokio::spawn(data_plane::serve_with_picker(
-        dp_listener,
-        picker,
-        config,
-        std::future::pending(),
-    ));
+    let dp_url =
+        InProcessServer::start(|l, stop| data_plane::serve_with_picker(l, picker, config, stop))
+            .await
+            .detach();
+    let dp_url = format!("http://{dp_url}");
 
     let body = Bytes::from(content_first::chat_body_32k_content_first());
     let direct: http::Uri = format!("{backend_url}/v1/chat/completions").parse()?;

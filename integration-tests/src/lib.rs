@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use proto::control_plane_client::ControlPlaneClient;
 use proto::{PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy};
-use tokio::sync::oneshot;
+use test_support::{bind_loopback, InProcessServer};
 use tonic::transport::Channel;
 
 /// Where an [`InProcessControlPlane`] keeps its state.
@@ -26,14 +26,13 @@ pub enum Backend {
     Etcd(String),
 }
 
-/// A control plane running in this process on a loopback port.
+/// A control plane running in this process on a loopback port; asked to stop when dropped.
 pub struct InProcessControlPlane {
     pub addr: SocketAddr,
     pub url: String,
     /// Where `GET /metrics` is served, when started with metrics ([`Self::start_on`]).
     pub metrics_addr: Option<SocketAddr>,
-    shutdown: Option<oneshot::Sender<()>>,
-    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    server: InProcessServer,
 }
 
 impl InProcessControlPlane {
@@ -54,16 +53,9 @@ impl InProcessControlPlane {
         lease_check: Duration,
         metrics: bool,
     ) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind loopback");
-        let addr = listener.local_addr().unwrap();
+        let listener = bind_loopback().await;
         let metrics_listener = if metrics {
-            Some(
-                tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind loopback"),
-            )
+            Some(bind_loopback().await)
         } else {
             None
         };
@@ -85,26 +77,19 @@ impl InProcessControlPlane {
             }
             Backend::Sled => control_plane::open_store(data_dir).expect("open store"),
         };
-        let (tx, rx) = oneshot::channel::<()>();
         let options = control_plane::ServeOptions {
             lease_check_interval: lease_check,
             metrics_listener,
             ..control_plane::ServeOptions::default()
         };
-        let handle = tokio::spawn(control_plane::serve_with(
-            listener,
-            store,
-            options,
-            async move {
-                let _ = rx.await;
-            },
-        ));
+        let server = InProcessServer::start_on(listener, |l, stop| {
+            control_plane::serve_with(l, store, options, stop)
+        });
         Self {
-            addr,
-            url: format!("http://{addr}"),
+            addr: server.addr,
+            url: server.url(),
             metrics_addr,
-            shutdown: Some(tx),
-            handle: Some(handle),
+            server,
         }
     }
 
@@ -133,22 +118,8 @@ impl InProcessControlPlane {
     }
 
     /// Graceful stop; returns the server's result.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        match self.handle.take() {
-            Some(h) => h.await?,
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for InProcessControlPlane {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.server.stop().await
     }
 }
 
@@ -287,16 +258,14 @@ pub mod deploy {
 }
 
 /// An engine-sim served in this process on a loopback port, at `time_scale` (0.01: a hundred
-/// times faster than the modelled GPU); returns its URL.
+/// times faster than the modelled GPU), until the runtime ends; returns its URL.
 pub async fn spawn_engine_sim(time_scale: f64) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind loopback");
-    let url = format!("http://{}", listener.local_addr().expect("bound address"));
     let engine = engine_sim::Config {
         time_scale,
         ..engine_sim::Config::default()
     };
-    tokio::spawn(engine_sim::serve(listener, engine, std::future::pending()));
-    url
+    let addr = InProcessServer::start(|l, stop| engine_sim::serve(l, engine, stop))
+        .await
+        .detach();
+    format!("http://{addr}")
 }

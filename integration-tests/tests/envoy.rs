@@ -20,7 +20,7 @@ use hyper_util::rt::TokioExecutor;
 use integration_tests::envoy::Envoy;
 use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
-use test_support::wait_for;
+use test_support::{bind_loopback, wait_for, InProcessServer};
 
 /// One Envoy and one fleet at a time: the tests share two cores.
 static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -90,33 +90,19 @@ struct Fleet {
     router: String,
     http: Client<HttpConnector, Full<Bytes>>,
     config: data_plane::Config,
-    data_plane: Option<DataPlane>,
+    data_plane: Option<InProcessServer>,
     _dir: tempfile::TempDir,
 }
 
-/// The data plane's serving task; dropping `stop` shuts it down.
-struct DataPlane {
-    stop: tokio::sync::oneshot::Sender<()>,
-    serving: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl DataPlane {
-    fn spawn(
-        http: tokio::net::TcpListener,
-        picker: tokio::net::TcpListener,
-        config: data_plane::Config,
-    ) -> Self {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(data_plane::serve_with_picker(
-            http,
-            Some(picker),
-            config,
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-        DataPlane { stop, serving }
-    }
+/// The data plane (HTTP and the picker on `picker`), asked to stop when dropped.
+fn spawn_data_plane(
+    http: tokio::net::TcpListener,
+    picker: tokio::net::TcpListener,
+    config: data_plane::Config,
+) -> InProcessServer {
+    InProcessServer::start_on(http, |l, stop| {
+        data_plane::serve_with_picker(l, Some(picker), config, stop)
+    })
 }
 
 impl Fleet {
@@ -145,9 +131,9 @@ impl Fleet {
             .unwrap();
         client.create_endpoint(ENDPOINT, ENDPOINT).await.unwrap();
 
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = bind_loopback().await;
         let router = format!("http://{}", listener.local_addr().unwrap());
-        let ext = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ext = bind_loopback().await;
         let picker = ext.local_addr().unwrap().to_string();
         let mut config = data_plane::Config {
             control_plane: control_plane.url.clone(),
@@ -156,7 +142,7 @@ impl Fleet {
             ..data_plane::Config::default()
         };
         tweak(&mut config);
-        let data_plane = DataPlane::spawn(listener, ext, config.clone());
+        let data_plane = spawn_data_plane(listener, ext, config.clone());
         let http = Client::builder(TokioExecutor::new()).build_http();
         let fleet = Fleet {
             _control_plane: control_plane,
@@ -183,12 +169,10 @@ impl Fleet {
 
     /// Stops the data plane (HTTP listener and picker both) and waits until it has.
     async fn stop_data_plane(&mut self) {
-        let DataPlane { stop, serving } = self.data_plane.take().expect("a data plane running");
-        let _ = stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), serving)
+        let data_plane = self.data_plane.take().expect("a data plane running");
+        data_plane
+            .stop_within(Duration::from_secs(30))
             .await
-            .expect("the data plane stops within 30 s")
-            .expect("the data plane's task")
             .expect("the data plane stops cleanly");
     }
 
@@ -200,7 +184,7 @@ impl Fleet {
         };
         let http = bind(&self.router).await.expect("the router's port again");
         let picker = bind(&self.picker).await.expect("the picker's port again");
-        self.data_plane = Some(DataPlane::spawn(http, picker, self.config.clone()));
+        self.data_plane = Some(spawn_data_plane(http, picker, self.config.clone()));
         self.wait_ready().await;
     }
 

@@ -22,7 +22,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
-use test_support::{at_timeout, wait_for};
+use test_support::{at_timeout, bind_loopback, wait_for, InProcessServer};
 
 /// The tests share two cores: one fleet of llama-servers at a time.
 static ONE_FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -257,20 +257,17 @@ async fn prefix_aware_router_with_picker(
         .await
         .unwrap();
     client.create_endpoint("llama", "llama").await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let router = format!("http://{}", listener.local_addr().unwrap());
     let config = data_plane::Config {
         control_plane: control_plane.url.clone(),
         node_id: Some(node_id.into()),
         default_endpoint: Some("llama".into()),
         ..data_plane::Config::default()
     };
-    tokio::spawn(data_plane::serve_with_picker(
-        listener,
-        ext_proc,
-        config,
-        std::future::pending(),
-    ));
+    let router =
+        InProcessServer::start(|l, stop| data_plane::serve_with_picker(l, ext_proc, config, stop))
+            .await
+            .detach();
+    let router = format!("http://{router}");
     wait_for(
         "the data plane to apply a routing table",
         Duration::from_secs(15),
@@ -590,7 +587,7 @@ async fn through_envoy_a_shared_prefix_stays_on_one_llama_server() {
     let http: Http = Client::builder(TokioExecutor::new()).build_http();
     let servers = start_fleet(&http, &bin, &model, dir.path(), 3).await;
     let urls: Vec<&str> = servers.iter().map(|s| s.url.as_str()).collect();
-    let ext = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ext = bind_loopback().await;
     let picker = ext.local_addr().unwrap().to_string();
     let (control_plane, _client, router) =
         prefix_aware_router_with_picker(&http, dir.path(), &urls, "dp-envoy", Some(ext)).await;

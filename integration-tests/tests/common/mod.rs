@@ -15,7 +15,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use integration_tests::{variant, InProcessControlPlane};
 use proto::RoutingStrategy;
-use test_support::wait_for;
+use test_support::{bind_loopback, wait_for, InProcessServer};
 
 pub const ENDPOINT: &str = "chat";
 pub const NODE_ID: &str = "dp-telemetry";
@@ -78,9 +78,7 @@ impl Fleet {
         ))
         .await;
 
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let router = format!("http://{}", listener.local_addr().unwrap());
-        let ext_proc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ext_proc = bind_loopback().await;
         let picker = ext_proc.local_addr().unwrap().to_string();
         let config = data_plane::Config {
             control_plane: control_plane.url.clone(),
@@ -88,12 +86,12 @@ impl Fleet {
             default_endpoint: Some(ENDPOINT.into()),
             ..data_plane::Config::default()
         };
-        tokio::spawn(data_plane::serve_with_picker(
-            listener,
-            Some(ext_proc),
-            config,
-            std::future::pending(),
-        ));
+        let router = InProcessServer::start(|l, stop| {
+            data_plane::serve_with_picker(l, Some(ext_proc), config, stop)
+        })
+        .await
+        .detach();
+        let router = format!("http://{router}");
 
         let http = Client::builder(TokioExecutor::new()).build_http();
         let fleet = Fleet {
