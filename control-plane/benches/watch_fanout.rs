@@ -17,6 +17,7 @@ use prost::Message;
 use proto::control_plane_client::ControlPlaneClient;
 use proto::routing_discovery_client::RoutingDiscoveryClient;
 use proto::*;
+use test_support::InProcessServer;
 use tokio::sync::mpsc;
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -69,12 +70,9 @@ async fn run(etcd: Option<String>) -> anyhow::Result<()> {
     let writes = env_usize("WRITES", 200);
     let dir = tempfile::tempdir()?;
     let mut urls = Vec::new();
-    let mut stops = Vec::new();
     let mut servers = Vec::new();
     let prefix = format!("/bench-{}/", uuid_like());
     for _ in 0..if etcd.is_some() { 2 } else { 1 } {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        urls.push(format!("http://{}", listener.local_addr()?));
         let (store, cluster) = match &etcd {
             None => (control_plane::open_store(dir.path())?, None),
             Some(endpoints) => {
@@ -88,20 +86,15 @@ async fn run(etcd: Option<String>) -> anyhow::Result<()> {
                 (s.store, Some(s.cluster))
             }
         };
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push(stop_tx);
         let options = control_plane::ServeOptions {
             cluster,
             ..control_plane::ServeOptions::default()
         };
-        servers.push(tokio::spawn(control_plane::serve_with(
-            listener,
-            store,
-            options,
-            async move {
-                let _ = stop_rx.await;
-            },
-        )));
+        let server =
+            InProcessServer::start(|l, stop| control_plane::serve_with(l, store, options, stop))
+                .await;
+        urls.push(server.url());
+        servers.push(server);
     }
     let url = urls[0].clone();
 
@@ -223,10 +216,8 @@ async fn run(etcd: Option<String>) -> anyhow::Result<()> {
     }
     let per_s = writes as f64 / started.elapsed().as_secs_f64();
     println!("  UpdateEndpointConfig: {writes} in a row, {per_s:.0} writes/s");
-    for stop in stops {
-        let _ = stop.send(());
-    }
-    for server in servers {
+    let stopping: Vec<_> = servers.iter_mut().map(|s| s.begin_shutdown()).collect();
+    for server in stopping {
         let _ = server.await;
     }
     Ok(())
