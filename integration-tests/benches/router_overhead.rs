@@ -19,6 +19,11 @@
 //! ([`floor`]: every message answered at once, the destination always the backend, no body
 //! read), is the protocol's floor: how much of the picker's hop is Envoy's ext_proc round trip
 //! itself, and how much is the picker.
+//! `FLOOR=1` also goes through a minimal reverse proxy on hyper 1 and hyper-util 0.1
+//! ([`hyper_proxy`]: the request's method, path, headers and streamed body forwarded over
+//! kept-alive connections to the backend, the response streamed back; no routing, body parsing,
+//! metrics or tracing), served on the data plane's thread layout: the floor of "a proxy on hyper
+//! on this machine", so that routed minus that floor is the data plane's own cost.
 //!
 //! The backend answers at once with a static JSON body (the role nginx would play); the request is
 //! a 32 KiB chat body. Phase 1: one connection, sequential requests, alternating direct and routed
@@ -82,6 +87,7 @@ enum Mode {
     EnvoyDirect,
     EnvoyFloor,
     EnvoyPicker,
+    HyperFloor,
 }
 
 impl Mode {
@@ -96,6 +102,7 @@ impl Mode {
             Mode::EnvoyDirect => "envoy alone",
             Mode::EnvoyFloor => "envoy+noop picker",
             Mode::EnvoyPicker => "envoy+picker",
+            Mode::HyperFloor => "hyper proxy",
         }
     }
 }
@@ -326,17 +333,18 @@ async fn main() -> anyhow::Result<()> {
     let with_envoy = env("ENVOY", 0u8) == 1;
     // The ext_proc body mode of the picker's Envoy (FULL_DUPLEX_STREAMED or BUFFERED).
     let envoy_body_mode: String = env("ENVOY_BODY", "FULL_DUPLEX_STREAMED".to_string());
-    let modes: &[Mode] = if telemetry_guard.is_some() {
-        &[Mode::Direct, Mode::RoutedExportOff, Mode::RoutedExportOn]
+    let with_floor = env("FLOOR", 0u8) == 1;
+    let mut modes: Vec<Mode> = if telemetry_guard.is_some() {
+        vec![Mode::Direct, Mode::RoutedExportOff, Mode::RoutedExportOn]
     } else if security {
-        &[
+        vec![
             Mode::Direct,
             Mode::Routed,
             Mode::RoutedApiKey,
             Mode::RoutedTls,
         ]
     } else if with_envoy {
-        &[
+        vec![
             Mode::Direct,
             Mode::Routed,
             Mode::EnvoyDirect,
@@ -344,8 +352,12 @@ async fn main() -> anyhow::Result<()> {
             Mode::EnvoyPicker,
         ]
     } else {
-        &[Mode::Direct, Mode::Routed]
+        vec![Mode::Direct, Mode::Routed]
     };
+    if with_floor {
+        modes.push(Mode::HyperFloor);
+    }
+    let modes = &modes[..];
     let requests: usize = env("REQUESTS", 10_000);
     let seconds: f64 = env("SECONDS", 3.0);
     let rounds: usize = env("ROUNDS", 5).max(1);
@@ -399,6 +411,7 @@ async fn main() -> anyhow::Result<()> {
     ])?;
     // The router serves on worker threads of its own, as the binary does (`--workers`, one per
     // CPU by default); the client and the backend share this runtime.
+    let workers = config.resolved_workers();
     let picker = if with_envoy {
         Some(bind_loopback().await)
     } else {
@@ -413,10 +426,20 @@ async fn main() -> anyhow::Result<()> {
             .await
             .detach();
     let dp_url = format!("http://{dp_url}");
+    let floor_url = if with_floor {
+        let backend: http::uri::Authority = backend_url.trim_start_matches("http://").parse()?;
+        let addr = InProcessServer::start(|l, stop| hyper_proxy::serve(l, backend, workers, stop))
+            .await
+            .detach();
+        format!("http://{addr}")
+    } else {
+        dp_url.clone()
+    };
 
     let body = Bytes::from(content_first::chat_body_32k_content_first());
     let direct: http::Uri = format!("{backend_url}/v1/chat/completions").parse()?;
     let routed: http::Uri = format!("{dp_url}/v1/chat/completions").parse()?;
+    let hyper_floor: http::Uri = format!("{floor_url}/v1/chat/completions").parse()?;
     let (keyed, tls) = if security {
         let (ca, cert, key) = test_pki()?;
         let _ = TEST_CA.set(ca.into_bytes());
@@ -480,6 +503,7 @@ async fn main() -> anyhow::Result<()> {
         &envoy_direct,
         &envoy_floor,
         &envoy_picker,
+        &hyper_floor,
     ] {
         while one(&c, uri, &body).await.is_err() {
             anyhow::ensure!(
@@ -491,7 +515,7 @@ async fn main() -> anyhow::Result<()> {
     }
 
     println!(
-        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once, {}",
+        "router_overhead: 32 KiB chat body, strategy {}, backend answers at once, {}{}",
         strategy.user_name(),
         if telemetry_guard.is_some() {
             "tracing export off and on (100% sampled) alternating"
@@ -501,6 +525,11 @@ async fn main() -> anyhow::Result<()> {
             "router, Envoy alone, with a no-op ext_proc server and with the picker alternating"
         } else {
             "tracing export off"
+        },
+        if with_floor {
+            format!(", a minimal hyper proxy alternating ({workers} workers each)")
+        } else {
+            String::new()
         }
     );
     let target = |mode: Mode| {
@@ -512,6 +541,7 @@ async fn main() -> anyhow::Result<()> {
             Mode::EnvoyDirect => &envoy_direct,
             Mode::EnvoyFloor => &envoy_floor,
             Mode::EnvoyPicker => &envoy_picker,
+            Mode::HyperFloor => &hyper_floor,
             _ => &routed,
         }
     };
@@ -583,6 +613,16 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
+    if with_floor {
+        let at = |mode: Mode| &latencies[modes.iter().position(|&m| m == mode).unwrap()];
+        let (routed, floor) = (at(Mode::Routed), at(Mode::HyperFloor));
+        println!(
+            "    {:<46}: p50 {:>+7.1}  p99 {:>+7.1}",
+            "the data plane's own (routed minus hyper proxy)",
+            pct(routed, 0.5) - pct(floor, 0.5),
+            pct(routed, 0.99) - pct(floor, 0.99)
+        );
+    }
     let per_request = |m: usize| cpu_us[m] / latencies[m].len() as f64;
     let mut line = "    CPU per request (whole process):".to_string();
     for (m, mode) in modes.iter().enumerate() {
@@ -592,7 +632,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!("{line}");
-    if modes.len() == 3 {
+    if telemetry_guard.is_some() {
         println!(
             "    export on minus off: p50 {:>+7.1}  p99 {:>+7.1}",
             pct(&latencies[2], 0.5) - pct(&latencies[1], 0.5),
@@ -789,5 +829,139 @@ mod floor {
                 });
             })?;
         Ok(addr)
+    }
+}
+
+/// `FLOOR=1`'s target: the least a reverse proxy on hyper 1 and hyper-util 0.1 does. Each request
+/// goes to the backend with its method, path and query, headers and body (hyper's `Incoming`,
+/// streamed as it arrives, never buffered) through a hyper-util `Client` that keeps its
+/// connections alive, and the backend's response comes back the same way. No routing, no body
+/// parsing, no metrics, no tracing.
+///
+/// Served on the data plane's thread layout in this bench: connections are accepted on the
+/// caller's runtime and handed to `workers` threads (the data plane's resolved `--workers`, to the
+/// one with the fewest open connections), each with a single-threaded runtime that keeps a
+/// connection and the upstream connections its requests use. What differs: upstream connections
+/// come from a hyper-util legacy `Client` per worker (a spawned task per connection, woken by the
+/// request's task) where the data plane drives its own pooled connection within the request's
+/// task; the server has no timer, so no header read timeout and no header limits beyond hyper's
+/// defaults; hop-by-hop headers are not removed (the bench sends none); an upstream error is a
+/// bare 502.
+mod hyper_proxy {
+    use std::convert::Infallible;
+    use std::future::Future;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use http::uri::{Authority, Scheme};
+    use http_body_util::{Either, Empty};
+    use hyper::body::Incoming;
+    use hyper::server::conn::http1;
+    use hyper::service::service_fn;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::net::TcpListener;
+
+    type Upstream = Client<HttpConnector, Incoming>;
+    type Reply = http::Response<Either<Incoming, Empty<Bytes>>>;
+
+    /// Serves until `shutdown`, forwarding every request to `backend` (`ip:port`).
+    pub async fn serve(
+        listener: TcpListener,
+        backend: Authority,
+        workers: usize,
+        shutdown: impl Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let workers = workers.max(1);
+        let open: Arc<[AtomicU64]> = (0..workers).map(|_| AtomicU64::new(0)).collect();
+        let mut handoff = Vec::with_capacity(workers);
+        for worker in 0..workers {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            handoff.push(tx);
+            let (open, backend) = (open.clone(), backend.clone());
+            std::thread::Builder::new()
+                .name(format!("hyper-proxy-{worker}"))
+                .spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime");
+                    runtime.block_on(worker_loop(worker, rx, open, backend));
+                })?;
+        }
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut next = 0;
+        loop {
+            let stream = tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                accepted = listener.accept() => accepted?.0,
+            };
+            stream.set_nodelay(true)?;
+            let worker = (0..workers)
+                .map(|i| (next + i) % workers)
+                .min_by_key(|&w| open[w].load(Relaxed))
+                .unwrap_or(0);
+            next = (worker + 1) % workers;
+            open[worker].fetch_add(1, Relaxed);
+            let _ = handoff[worker].send(stream.into_std()?);
+        }
+    }
+
+    /// One worker: serves the connections handed to it, with an upstream client of its own.
+    async fn worker_loop(
+        worker: usize,
+        mut connections: tokio::sync::mpsc::UnboundedReceiver<std::net::TcpStream>,
+        open: Arc<[AtomicU64]>,
+        backend: Authority,
+    ) {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let upstream: Upstream = Client::builder(TokioExecutor::new()).build(connector);
+        while let Some(stream) = connections.recv().await {
+            let (upstream, backend, open) = (upstream.clone(), backend.clone(), open.clone());
+            tokio::spawn(async move {
+                if let Ok(stream) = tokio::net::TcpStream::from_std(stream) {
+                    let service = service_fn(move |req| {
+                        let response = to_backend(req, &backend).map(|req| upstream.request(req));
+                        async move {
+                            let response = match response {
+                                Ok(response) => response.await.ok(),
+                                Err(_) => None,
+                            };
+                            Ok::<Reply, Infallible>(match response {
+                                Some(response) => response.map(Either::Left),
+                                None => bad_gateway(),
+                            })
+                        }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                }
+                open[worker].fetch_sub(1, Relaxed);
+            });
+        }
+    }
+
+    /// `req` with its URI made absolute on `backend` (the form hyper-util's client sends).
+    fn to_backend(
+        req: http::Request<Incoming>,
+        backend: &Authority,
+    ) -> Result<http::Request<Incoming>, http::uri::InvalidUriParts> {
+        let (mut head, body) = req.into_parts();
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(Scheme::HTTP);
+        uri.authority = Some(backend.clone());
+        uri.path_and_query = head.uri.path_and_query().cloned();
+        head.uri = http::Uri::from_parts(uri)?;
+        Ok(http::Request::from_parts(head, body))
+    }
+
+    fn bad_gateway() -> Reply {
+        let mut reply = http::Response::new(Either::Right(Empty::new()));
+        *reply.status_mut() = http::StatusCode::BAD_GATEWAY;
+        reply
     }
 }
