@@ -258,6 +258,10 @@ pub struct Homes {
     capacity: AtomicU32,
     /// Passes since an instance last overflowed.
     calm: AtomicU32,
+    /// While no bound is known: the most reused keys a pass's copies may give one instance
+    /// (0: not probing yet; `u32::MAX`: the engines showed room, copies go by share). See
+    /// [`crate::placement`]'s homes pass.
+    probe_level: AtomicU32,
     /// A pass after the router's first has run (see [`Homes::spreads`]).
     past_first_pass: AtomicBool,
     /// The variant gate's closings the last pass had seen.
@@ -307,6 +311,7 @@ impl Default for Homes {
             copied: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
+            probe_level: AtomicU32::new(0),
             past_first_pass: AtomicBool::new(false),
             closings_seen: AtomicU64::new(0),
             last_pass_sequence: AtomicU64::new(0),
@@ -393,6 +398,11 @@ impl Homes {
         self.reused.load().binary_search(&key).is_ok()
     }
 
+    /// How many reused keys the last pass counted.
+    pub fn reused_count(&self) -> usize {
+        self.reused.load().len()
+    }
+
     /// The last pass gave room for `key`'s copies (a hot key spread over its replicas).
     #[inline]
     pub fn is_copied(&self, key: u64) -> bool {
@@ -424,6 +434,30 @@ impl Homes {
 
     pub fn calm(&self) -> u32 {
         self.calm.load(Relaxed)
+    }
+
+    /// The probe's level as stored (0: not started; `u32::MAX`: room shown).
+    pub fn probe_level(&self) -> u32 {
+        self.probe_level.load(Relaxed)
+    }
+
+    pub fn store_probe_level(&self, level: u32) {
+        self.probe_level.store(level, Relaxed);
+    }
+
+    /// Whether the copies probe for room: no bound is known, the engines report, and none has
+    /// yet shown room for more than an even spread of the reused keys.
+    #[inline]
+    pub fn probing(&self) -> bool {
+        self.capacity().is_none() && (1..u32::MAX).contains(&self.probe_level())
+    }
+
+    /// Whether only the keys the last pass gave room for their copies are spread (under a
+    /// bound, or while probing for one): a key this router's estimate calls hot since then
+    /// stays in its one place, as it does on the routers whose estimates did not move.
+    #[inline]
+    pub fn copies_by_pass(&self) -> bool {
+        self.capacity().is_some() || self.probing()
     }
 
     /// Whether a hot key may have the copies its share asks for: from the router's second pass

@@ -53,6 +53,20 @@
 //! fleet, where some instance's few revisits since a pass always miss a little, without copies:
 //! one instance 3.6 points over its share.)
 //!
+//! Nor does a pass spread copies by share on the premise that there is room: while no bound is
+//! known and the engines report, copies may give an instance at most one key more than an even
+//! spread of the reused keys (the probe, [`crate::load::Homes::probing`], a pass every 64
+//! requests), until an instance that held more than the even spread shows room (its revisits
+//! missed at most half the limit); then copies go by share, and a cache that overflows even so
+//! is a bound. A bound forgotten resumes the probe at the level it stood. And an overflow at an
+//! even spread or less (which bounds the caches to the even spread, below) counts only once the
+//! set of reused keys has settled (the last pass counted 90% of them: what an instance held of
+//! the first few keys says nothing of an even spread of many) and its revisits miss clearly,
+//! more than 1.5 times the limit. On engine-sim's long-context shape (80 documents, 7 caches of
+//! 15, `cold_documents_evicted_by_age_teach_no_bound`) copies by share at once and marginal
+//! overflows taught 5 of 12 seeds a bound their caches did not have, and the hot documents lost
+//! their replicas; so, 1 of 12.
+//!
 //! Under a bound, only the keys a pass gave room for their copies are spread between passes: a
 //! key the pass counted as not hot (or did not count) that this router's estimate later calls
 //! hot stays in its one place, as it does on the routers whose estimates did not move (4 routers
@@ -104,8 +118,11 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     // that clear the bars rarely does).
     keys.sort_unstable_by_key(|&(_, k)| k);
     keys.dedup_by_key(|&mut (_, k)| k);
-    let cap = learn_capacity(v, keys.len(), t);
+    let (cap, probe) = learn_capacity(v, keys.len(), t);
     let room = |held: &[u32], i: usize| cap.is_none_or(|c| held[i] < c);
+    // what copies may fill: the bound, else the probe's level
+    let copy_cap = cap.or(probe);
+    let copy_room = |held: &[u32], i: usize| copy_cap.is_none_or(|c| held[i] < c);
     let spread = homes.spreads() && load.feedback().allows(Rule::HotReplica, now_ms());
     let replicas = |s: f64| {
         if spread {
@@ -121,7 +138,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     // hottest keys' load still spreads.
     let wanted: Vec<usize> = keys.iter().map(|&(s, _)| replicas(s)).collect();
     let mut copies = vec![true; keys.len()];
-    if let Some(c) = cap {
+    if let Some(c) = copy_cap {
         let mut spare = (c as usize * n).saturating_sub(keys.len());
         let mut hottest: Vec<usize> = (0..keys.len()).filter(|&i| wanted[i] > 1).collect();
         hottest.sort_unstable_by(|&a, &b| {
@@ -155,7 +172,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
             first.clear();
             first.push(top);
             first.extend(RendezvousWalk::new(hashes, key, top, score).take(r - 1));
-            if first.iter().all(|&j| room(&held, j)) {
+            if first.iter().all(|&j| copy_room(&held, j)) {
                 // spread over replicas: it takes room in each
                 first.iter().for_each(|&i| held[i] += 1);
                 copied.push(key);
@@ -213,6 +230,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         homes = out.len(),
         ?held,
         ?cap,
+        ?probe,
         spread,
         "homes assigned"
     );
@@ -247,7 +265,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
 /// once no instance reaches it. Copies' revisits count too, but only after the variant's
 /// revisits missed following a pass that spread copies (see
 /// [`crate::feedback::InstanceCache::take_copy_miss_rate`]).
-pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u32> {
+pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<u32>, Option<u32>) {
     let homes = v.load().homes();
     let hashes = v.id_hashes();
     let even = reused.div_ceil(hashes.len()).max(1) as u32;
@@ -259,8 +277,14 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
             .or_else(|| last.iter().find(|x| x.0 == h))
             .map_or(0, |x| x.1)
     };
-    let mut cap = homes.capacity();
+    let before = homes.capacity();
+    let mut cap = before;
     let mut overflowed = false;
+    // an instance that held more than an even spread while its revisits hit shows room (only
+    // once the set of reused keys has settled: early passes count a few keys, and room for
+    // them says nothing of room for copies of the many counted later)
+    let settled = homes.reused_count() * 10 >= reused * 9;
+    let mut room_shown = false;
     // A pass that spread copies (its instances held more keys than there are, a copy counting
     // as a key on each of its instances), after which the variant's revisits missed whatever
     // placed them: the copies' own revisits also say how many keys each cache holds (see
@@ -280,16 +304,20 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
             even,
             "revisits since the last pass"
         );
+        let k = held_at(i, hashes[i]);
+        room_shown |= k > even && plain.is_some_and(|m| m <= t.feedback.miss_limit / 2.0);
         let Some(missed) = plain
             .into_iter()
             .chain(copies)
             .reduce(f64::max)
-            .filter(|&m| m > t.feedback.miss_limit)
+            .filter(|&m| match k > even {
+                true => m > t.feedback.miss_limit,
+                false => settled && m > t.feedback.miss_limit * 1.5,
+            })
         else {
             continue;
         };
         overflowed = true;
-        let k = held_at(i, hashes[i]);
         // the cache holds about k * (1 - missed) (see above); one that overflows at an even
         // spread or less is bounded to the even spread: counting cannot give it fewer, but
         // copies would only add to what already does not fit
@@ -309,5 +337,22 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> Option<u
     // Copies by share wait for the second pass: the first places keys before any engine has
     // reported on them, and an overflow it causes is a bound by the next (see the module doc).
     homes.store_past_first_pass(homes.past_first_pass() || !last.is_empty());
-    cap.map(|c| c.max(even))
+    // The probe (see the module doc): with no bound and engines that report, copies may give
+    // an instance one key more than an even spread until one that held more showed room.
+    let mut level = homes.probe_level();
+    if let (Some(c), None) = (before, cap) {
+        // a bound forgotten: probing resumes where it stood
+        level = c;
+    }
+    if cap.is_none() && v.load().feedback().reported() {
+        if level == 0 {
+            level = even + 1;
+        }
+        if room_shown {
+            level = u32::MAX;
+        }
+    }
+    homes.store_probe_level(level);
+    let probe = (cap.is_none() && (1..u32::MAX).contains(&level)).then_some(level.max(even + 1));
+    (cap.map(|c| c.max(even)), probe)
 }

@@ -122,10 +122,10 @@ impl Placement {
         // one).
         let r = if home.is_some() {
             1
-        } else if homes.capacity().is_some() && !homes.is_copied(key) {
-            // Under a bound, copies only where the last pass gave them room (see
-            // [`super::homes`]): this router's estimate of the key may have moved since, other
-            // routers' not.
+        } else if homes.copies_by_pass() && !homes.is_copied(key) {
+            // Under a bound or while probing for one, copies only where the last pass gave
+            // them room (see [`super::homes`]): this router's estimate of the key may have
+            // moved since, other routers' not.
             1
         } else if homes.spreads() && feedback.allows(Rule::HotReplica, now) {
             t.replicas(key_share, hashes.len())
