@@ -22,7 +22,8 @@
 //!   of those keys miss) while it holds more than an even spread of them shows that its cache holds fewer (about
 //!   as many as the share of its revisits that hit): from then on no instance gets more (never
 //!   less than an even spread; a hot key whose copies would not fit gets none; one that
-//!   overflows at an even spread or less bounds every instance to the even spread), and the pass
+//!   overflows clearly at an even spread or less, once the set of reused keys has settled,
+//!   bounds every instance to the even spread), and the pass
 //!   runs again as soon as a router's revisits show an overflow, and once its last pass is 15 s
 //!   and 64 requests old. The pass depends only on the set of reused
 //!   keys and that bound, so replicas agree.
@@ -34,7 +35,9 @@
 //!   router's second homes pass (its first has no report from the engines, and an overflow it
 //!   causes is a bound by the next) and is held to its revisits; until then and while they miss, a
 //!   hot key gets only [`Tuning::least_replicas`] (`ceil(s * n)`: a key with more traffic than
-//!   one instance's share still cannot stay on one).
+//!   one instance's share still cannot stay on one). Nor do copies assume room: with no bound
+//!   known, a pass's copies give an instance at most one key over an even spread until an
+//!   instance holding more shows that its revisits hit (the probe, see `homes.rs`).
 //! - **Deepened heads** (queueing): a hot head-only chat key (a system prompt longer than
 //!   `prefix_length`, shared by every conversation on it) is keyed by its conversation instead
 //!   ([`crate::prompt::deep_prompt_key`]); a first turn takes the less loaded of its first two
