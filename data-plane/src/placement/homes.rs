@@ -280,10 +280,11 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
     let before = homes.capacity();
     let mut cap = before;
     let mut overflowed = false;
-    // an instance that held more than an even spread while its revisits hit shows room (only
-    // once the set of reused keys has settled: early passes count a few keys, and room for
-    // them says nothing of room for copies of the many counted later)
+    // The last pass counted about today's reused keys: only then does an overflow at an even
+    // spread or less say the caches hold no more than an even spread (what an instance held of
+    // the first few keys says nothing of an even spread of many).
     let settled = homes.reused_count() * 10 >= reused * 9;
+    // an instance that held more than an even spread while its revisits hit shows room
     let mut room_shown = false;
     // A pass that spread copies (its instances held more keys than there are, a copy counting
     // as a key on each of its instances), after which the variant's revisits missed whatever
