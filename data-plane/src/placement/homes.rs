@@ -283,7 +283,7 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
     // The last pass counted about today's reused keys: only then does an overflow at an even
     // spread or less say the caches hold no more than an even spread (what an instance held of
     // the first few keys says nothing of an even spread of many).
-    let settled = homes.reused_count() * 10 >= reused * 9;
+    let settled = homes.reused_count() as f64 >= t.home_settled_share * reused as f64;
     // an instance that held more than an even spread while its revisits hit shows room
     let mut room_shown = false;
     // A pass that spread copies (its instances held more keys than there are, a copy counting
@@ -313,7 +313,7 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
             .reduce(f64::max)
             .filter(|&m| match k > even {
                 true => m > t.feedback.miss_limit,
-                false => settled && m > t.feedback.miss_limit * 1.5,
+                false => settled && m > t.feedback.miss_limit * t.home_even_overflow,
             })
         else {
             continue;
@@ -354,6 +354,6 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
         }
     }
     homes.store_probe_level(level);
-    let probe = (cap.is_none() && (1..u32::MAX).contains(&level)).then_some(level.max(even + 1));
+    let probe = homes.probing().then_some(level.max(even + 1));
     (cap.map(|c| c.max(even)), probe)
 }

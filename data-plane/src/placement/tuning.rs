@@ -53,6 +53,12 @@ pub struct Tuning {
     /// passes give no instance more than it was seen to hold (see [`crate::placement`]'s homes); after this many passes with no overflow
     /// they try one more (caches can grow, and the overflow may have had another cause).
     pub home_probe_passes: u32,
+    /// An overflow at an even spread of the reused keys or less bounds the caches to the even
+    /// spread only once the last pass counted at least this share of today's reused keys...
+    pub home_settled_share: f64,
+    /// ...and its revisits missed more than this times the feedback's `miss_limit` (rare keys
+    /// evicted by age miss a little on caches with room).
+    pub home_even_overflow: f64,
     /// Besides at every half-window, a router assigns homes when its request count in the
     /// variant reaches each of these (a fresh router learns them in its first seconds).
     pub home_early: [u64; 2],
@@ -89,6 +95,8 @@ impl Default for Tuning {
             home_min_requests: 4.0,
             home_slack: 0.5,
             home_probe_passes: 16,
+            home_settled_share: 0.9,
+            home_even_overflow: 1.5,
             home_early: [64, 256],
             home_interval_ms: 15_000,
             home_interval_requests: 64,
