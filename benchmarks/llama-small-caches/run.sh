@@ -6,7 +6,8 @@
 #   ENVOY: Envoy with the data plane as its endpoint picker; needs `envoy` on PATH; DP: that data
 #   plane over HTTP, for comparison)
 # PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON;
-# BENCH_ARGS adds bench flags (e.g. `--text-salt 100`: every label on the same texts).
+# BENCH_ARGS adds bench flags (e.g. `--text-salt 100`: every label on the same texts); WARMUP and
+# DURATION (default 20 and 40 s) the run's length, e.g. `WARMUP=0 DURATION=90` for convergence.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$here/../.."
@@ -19,7 +20,7 @@ for label in "$@"; do
   "$fleet" stop
   engines="$(CACHE_RAM_MIB=4 "$fleet" start 4 8001)"
   common=(bench --engines "$engines" --workload long-context --cache-regime small --document-role "$role"
-    --token-scale 0.1 --prefix-length 1024 --concurrency 4 --warmup 20 --duration 40 --seed "$seed"
+    --token-scale 0.1 --prefix-length 1024 --concurrency 4 --warmup "${WARMUP:-20}" --duration "${DURATION:-40}" --seed "$seed"
     --out "$out/$role-s$seed-$label.json" ${BENCH_ARGS:-})
   peer=()
   case "$label" in

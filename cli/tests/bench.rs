@@ -77,9 +77,51 @@ fn bench_writes_the_contract_json_and_prefix_aware_beats_random_on_hits() {
         hit(1),
         hit(0)
     );
+    // The timeline: the whole run (10 s warm-up + 40 s) in windows of 10 s, their requests the
+    // run's, and PREFIX_AWARE's hit above RANDOM's once it has settled.
+    let timeline = |i: usize| {
+        results[i]["timeline"]["windows"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    for i in 0..2 {
+        let windows = timeline(i);
+        assert!(
+            (4..=6).contains(&windows.len()),
+            "{}",
+            results[i]["timeline"]
+        );
+        let served: u64 = windows
+            .iter()
+            .map(|w| w["requests"].as_u64().unwrap())
+            .sum();
+        assert!(
+            served >= results[i]["requests"].as_u64().unwrap(),
+            "{}",
+            results[i]
+        );
+    }
+    let last_hit = |i: usize| timeline(i).last().unwrap()["kv_hit_rate"].as_f64().unwrap();
+    assert!(
+        last_hit(1) > last_hit(0) + 0.1,
+        "{} vs {}",
+        last_hit(1),
+        last_hit(0)
+    );
+    let converged = results[1]["timeline"]["converged_s"].as_f64().unwrap();
+    assert!(
+        (0.0..=50.0).contains(&converged),
+        "{}",
+        results[1]["timeline"]
+    );
     let text = std::fs::read_to_string(&md).unwrap();
     assert!(
         text.contains("<!-- bench:long-context -->") && text.contains("| PREFIX_AWARE |"),
+        "{text}"
+    );
+    assert!(
+        text.contains("PREFIX_AWARE from its first request: hit per 10 s "),
         "{text}"
     );
 }

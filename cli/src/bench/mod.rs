@@ -20,6 +20,7 @@ pub mod load;
 pub mod metrics;
 pub mod mixed;
 pub mod report;
+pub mod timeline;
 pub mod workload;
 
 use std::collections::HashMap;
@@ -565,6 +566,7 @@ async fn run_strategy(
     let mut first: Option<(Snapshot, metrics::Histogram)> = None;
     let mut autoscale = (args.workload == WorkloadKind::Autoscale)
         .then(|| AutoscaleRun::new(args, measure_from, measure));
+    let mut timeline = timeline::TimelineRun::new(start, args.time_scale);
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut failures = failures::Failures::default();
     loop {
@@ -593,6 +595,9 @@ async fn run_strategy(
                 if first.is_none() && now >= measure_from {
                     first = Some((snapshot(&fleet).await?, fleet.decision_histogram().await?));
                 }
+                if timeline.due(now) {
+                    timeline.record(Instant::now(), fleet.engine_readings().await?);
+                }
                 if let Some(a) = autoscale.as_mut() {
                     a.step(&mut fleet, now).await?;
                 }
@@ -614,6 +619,7 @@ async fn run_strategy(
             .await?;
     }
     let end = snapshot(&fleet).await?;
+    timeline.record_end(end.at, end.readings.clone());
     let end_hist = fleet.decision_histogram().await?;
     let (begin, begin_hist) = match first {
         Some(f) => f,
@@ -668,6 +674,10 @@ async fn run_strategy(
         &end_hist.since(&begin_hist),
         autoscale_report,
     );
+    let result = StrategyResult {
+        timeline: Some(timeline.finish(&samples, &usages)),
+        ..result
+    };
     fleet.stop().await;
     Ok((result, shares))
 }

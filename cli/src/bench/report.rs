@@ -9,6 +9,7 @@ use serde::Serialize;
 use super::fleet::EngineCounters;
 use super::load::Sample;
 use super::metrics::Histogram;
+use super::timeline::Timeline;
 use super::workload::Workload;
 use super::BenchArgs;
 
@@ -56,6 +57,9 @@ pub struct StrategyResult {
     pub route_decision_p99_us: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub autoscale: Option<AutoscaleReport>,
+    /// The whole run (warm-up included) window by window, and when its hit rate settled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
     #[serde(skip)]
     pub ttft_ms_sorted: Vec<f64>,
 }
@@ -148,6 +152,7 @@ impl StrategyResult {
             route_decision_p50_us: us(0.5),
             route_decision_p99_us: us(0.99),
             autoscale,
+            timeline: None,
             ttft_ms_sorted: ttft,
         }
     }
@@ -257,18 +262,33 @@ impl BenchReport {
         for line in aligned(&Self::HEADER, self.rows()) {
             println!("{line}");
         }
+        for line in self.notes() {
+            println!("{line}");
+        }
+    }
+
+    /// Lines below the table, one per strategy and topic: autoscale's moves and recovery, and
+    /// the run's hit rate window by window.
+    fn notes(&self) -> Vec<String> {
+        let mut out = Vec::new();
         for r in &self.results {
             if let Some(a) = &r.autoscale {
-                println!(
-                    "{}: keys moved on join {:.1}%, on leave {:.1}%; hit rate {}; back within 5 points {}",
+                out.push(format!(
+                    "{}: keys moved on join {:.1}%, on leave {:.1}%; hit rate {}; back within 5 points of steady state {}.",
                     r.strategy,
                     a.keys_moved_on_join * 100.0,
                     a.keys_moved_on_leave * 100.0,
                     a.phases.iter().map(|p| format!("{} {:.1}%", p.phase, p.kv_hit_rate * 100.0)).collect::<Vec<_>>().join(", "),
                     a.recovered_after_join_s.map(|s| format!("{s:.0} s after the join")).unwrap_or_else(|| "never".into()),
-                );
+                ));
             }
         }
+        for r in &self.results {
+            if let Some(t) = r.timeline.as_ref().and_then(Timeline::summary) {
+                out.push(format!("{} from its first request: {t}.", r.strategy));
+            }
+        }
+        out
     }
 
     /// The workload, with the document role and the cache regime when they are not the
@@ -307,17 +327,8 @@ impl BenchReport {
         for r in self.rows() {
             s.push_str(&format!("| {} |\n", r.join(" | ")));
         }
-        for r in &self.results {
-            if let Some(a) = &r.autoscale {
-                s.push_str(&format!(
-                    "\n{}: keys moved on join {:.1}%, on leave {:.1}%; hit rate {}; back within 5 points of steady state {}.\n",
-                    r.strategy,
-                    a.keys_moved_on_join * 100.0,
-                    a.keys_moved_on_leave * 100.0,
-                    a.phases.iter().map(|p| format!("{} {:.1}%", p.phase, p.kv_hit_rate * 100.0)).collect::<Vec<_>>().join(", "),
-                    a.recovered_after_join_s.map(|s| format!("{s:.0} s after the join")).unwrap_or_else(|| "never".into()),
-                ));
-            }
+        for line in self.notes() {
+            s.push_str(&format!("\n{line}\n"));
         }
         s
     }
