@@ -47,7 +47,9 @@
 //! - **Warm moves** (queueing): a key near the hot threshold whose instance is over its fair
 //!   share of requests goes to the next instance of its ranking while that one has had fewer.
 //! - **Re-weighing** (queueing, `reweigh`): instance weights set every half-window from request
-//!   shares move whole cold keys among their first three choices until shares even out. (An
+//!   shares move whole cold keys among their first three choices until shares even out.
+//!   Neither moves a key the last homes pass counted once a bound is known: the caches are
+//!   full, and such a key moved evicts one the pass placed where it went. (An
 //!   earlier term that also evened each instance's count of distinct keys, a guess at its cache
 //!   footprint, is gone: relief below acts on the engines' measured misses instead.)
 //! - **Relief** (prefill, [`crate::feedback::InstanceCache`]): an instance whose revisits miss

@@ -1548,3 +1548,70 @@ fn copies_probe_for_room_until_an_instance_holding_more_than_an_even_spread_hits
     assert_eq!(homes::learn_capacity(v, 8, &t), (None, None));
     assert!(!homes.probing() && !homes.copies_by_pass());
 }
+
+#[test]
+fn under_a_bound_the_keys_a_pass_counted_stay_where_it_counted_them() {
+    // Re-weighing moves keys among their first choices to even out request shares. Under a
+    // bound the caches are full: a key the last pass counted on its top choice that weights
+    // move evicts a key the pass placed there. Keys the pass did not count are still weighed.
+    let t = prefix_aware_table(4);
+    let v = variant_of(&t);
+    let p = Placement::new(1000, DEFAULT_BALANCE_PERCENT, None);
+    let route = |d: usize| p.route(&t, &req(&user_document(d, 0))).unwrap();
+    let tops: Vec<(u64, usize)> = (0..32)
+        .map(|d| {
+            let key = route(d).key.unwrap();
+            (key, rendezvous_top(v.id_hashes(), key).0)
+        })
+        .collect();
+    // every key's top choice weighs least: weights move keys off it
+    let weigh = |heavy: usize| {
+        for (i, inst) in v.instances().iter().enumerate() {
+            inst.state().set_weight(if i == heavy { 0.25 } else { 4.0 });
+        }
+        v.load().set_weighted();
+    };
+    let moved: Vec<(usize, u64)> = tops
+        .iter()
+        .enumerate()
+        .filter(|&(d, &(_, top))| {
+            weigh(top);
+            let r = route(d);
+            r.instance != top && r.rule == Rule::Reweighed
+        })
+        .map(|(d, &(key, _))| (d, key))
+        .collect();
+    assert!(
+        moved.len() >= 4,
+        "weights move keys off their top choice: {moved:?}"
+    );
+    let homes = v.load().homes();
+    let counted: Vec<u64> = {
+        let mut k: Vec<u64> = moved.iter().map(|&(_, k)| k).take(2).collect();
+        k.sort_unstable();
+        k
+    };
+    homes.store_reused(counted.clone());
+    homes.store_capacity(Some(2), 0);
+    for &(d, key) in &moved {
+        let top = tops[d].1;
+        weigh(top);
+        let r = route(d);
+        match counted.contains(&key) {
+            true => assert_eq!(
+                (r.instance, r.rule),
+                (top, Rule::PrefixHash),
+                "counted key {d}"
+            ),
+            false => assert_ne!(
+                r.instance, top,
+                "a key the pass did not count is still weighed"
+            ),
+        }
+    }
+    // with no bound known, a counted key is weighed like any other
+    homes.store_capacity(None, 0);
+    let (d, _) = moved[0];
+    weigh(tops[d].1);
+    assert_ne!(route(d).instance, tops[d].1);
+}
