@@ -73,6 +73,15 @@ pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len() - 1)]
 }
 
+/// max |share - 1/n| over the `serving` engines' shares (those above zero); 0 when none served.
+pub(super) fn share_deviation(serving: &[f64]) -> f64 {
+    let n = serving.len().max(1) as f64;
+    serving
+        .iter()
+        .map(|s| (s - 1.0 / n).abs())
+        .fold(0.0, f64::max)
+}
+
 /// The measured window of one strategy's run: the requests that finished in it, the engines'
 /// counters at its start and its end, and its wall-clock length.
 pub struct MeasuredWindow<'a> {
@@ -130,10 +139,7 @@ impl StrategyResult {
             .filter(|s| *s > 0.0)
             .collect();
         let n = serving.len().max(1) as f64;
-        let max_share_deviation = serving
-            .iter()
-            .map(|s| (s - 1.0 / n).abs())
-            .fold(0.0, f64::max);
+        let max_share_deviation = share_deviation(&serving);
         let max_load_ratio = serving.iter().copied().fold(0.0, f64::max) * n;
         let us = |q| decisions.quantile(q).map(|s| s * 1e6).unwrap_or(0.0);
         StrategyResult {

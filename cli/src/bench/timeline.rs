@@ -10,6 +10,7 @@ use serde::Serialize;
 use super::engines;
 use super::fleet::EngineReading;
 use super::load::{PromptUsage, Sample};
+use super::report::share_deviation;
 
 /// A window's length in simulated seconds.
 pub const WINDOW_S: f64 = 10.0;
@@ -109,13 +110,19 @@ impl TimelineRun {
             let prompt: f64 = engines.iter().map(|w| w.prompt_tokens).sum();
             let cached: f64 = engines.iter().map(|w| w.cached_tokens).sum();
             let requests = in_window.iter().filter(|(s, _)| s.error.is_none()).count();
+            // an engine that served nothing in the window is not in the variant then
+            let serving: Vec<f64> = engines
+                .iter()
+                .map(|w| w.request_share)
+                .filter(|&s| s > 0.0)
+                .collect();
             let simulated = to.duration_since(*from).as_secs_f64() / self.time_scale;
             windows.push(TimelineWindow {
                 end_s: to.duration_since(self.start).as_secs_f64() / self.time_scale,
                 requests,
                 throughput_rps: requests as f64 / simulated.max(1e-9),
                 kv_hit_rate: if prompt > 0.0 { cached / prompt } else { 0.0 },
-                max_share_deviation: share_deviation(engines.iter().map(|w| w.request_share)),
+                max_share_deviation: share_deviation(&serving),
             });
             tokens.push((prompt, cached));
         }
@@ -144,17 +151,6 @@ impl TimelineRun {
             lowest_after_kv_hit_rate: lowest_after,
         }
     }
-}
-
-/// max |share - 1/n| over the shares above zero (an engine that served nothing in a window is
-/// not in the variant then); 0 when none served.
-fn share_deviation(shares: impl Iterator<Item = f64>) -> f64 {
-    let serving: Vec<f64> = shares.filter(|s| *s > 0.0).collect();
-    let n = serving.len().max(1) as f64;
-    serving
-        .iter()
-        .map(|s| (s - 1.0 / n).abs())
-        .fold(0.0, f64::max)
 }
 
 impl Timeline {
