@@ -23,7 +23,8 @@
 //!   as many as the share of its revisits that hit): from then on no instance gets more (never
 //!   less than an even spread; a hot key whose copies would not fit gets none; one that
 //!   overflows clearly at an even spread or less, once the set of reused keys has settled,
-//!   bounds every instance to the even spread), and the pass
+//!   bounds every instance to the even spread; an instance filled to the bound whose revisits
+//!   still miss more than half the limit lowers it to what they show), and the pass
 //!   runs again as soon as a router's revisits show an overflow, and once its last pass is 15 s
 //!   and 64 requests old. The pass depends only on the set of reused
 //!   keys and that bound, so replicas agree.

@@ -1410,6 +1410,41 @@ fn an_overflow_at_an_even_spread_bounds_the_caches_to_it() {
 }
 
 #[test]
+fn a_bound_whose_instances_miss_at_it_falls() {
+    // A bound of 3 learnt from one overflow, on caches that hold 2 of 8 documents: the
+    // instance the pass fills to 3 misses 1-2 of 8 revisits (12-25%), under the miss limit
+    // that first taught the bound, but more than room allows. The bound falls to the 2 its
+    // revisits show; on llama-servers it stayed at 3 for the whole run (hit 90% against 94.1%).
+    let t = Tuning::default();
+    for misses in [1usize, 2] {
+        let table = prefix_aware_table(4);
+        let v = variant_of(&table);
+        v.load().homes().store_reused((1..=8).collect());
+        v.load().homes().store_capacity(Some(3), 0);
+        revisits_on_the_first_instance(v, 3, 2, misses);
+        assert_eq!(
+            homes::learn_capacity(v, 8, &t).0,
+            Some(2),
+            "{misses} misses of 8"
+        );
+    }
+    // revisits that hit at the bound keep it
+    let table = prefix_aware_table(4);
+    let v = variant_of(&table);
+    v.load().homes().store_reused((1..=8).collect());
+    v.load().homes().store_capacity(Some(3), 0);
+    revisits_on_the_first_instance(v, 3, 2, 0);
+    assert_eq!(homes::learn_capacity(v, 8, &t).0, Some(3));
+    // and with no bound yet, misses under the limit teach none (marginal misses on caches with
+    // room, e.g. rare documents evicted by age, are no bound)
+    let table = prefix_aware_table(4);
+    let v = variant_of(&table);
+    v.load().homes().store_reused((1..=8).collect());
+    revisits_on_the_first_instance(v, 3, 2, 1);
+    assert_eq!(homes::learn_capacity(v, 8, &t).0, None);
+}
+
+#[test]
 fn the_room_left_once_every_document_has_a_place_spreads_the_hottest() {
     // 8 zipf-popular documents (the hottest 37% of the requests) on 4 instances whose caches
     // hold 5 each: room for every document once and 12 copies. Once the engines' reports have
