@@ -297,7 +297,9 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
     // spread or less say the caches hold no more than an even spread (what an instance held of
     // the first few keys says nothing of an even spread of many).
     let settled = homes.reused_count() as f64 >= t.home_settled_share * reused as f64;
-    // an instance that held more than an even spread while its revisits hit shows room
+    // an instance that held more than an even spread while its revisits missed no more than
+    // this shows room
+    let room_line = t.feedback.miss_limit / 2.0;
     let mut room_shown = false;
     // A pass that spread copies (its instances held more keys than there are, a copy counting
     // as a key on each of its instances), after which the variant's revisits missed whatever
@@ -319,14 +321,14 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
             "revisits since the last pass"
         );
         let k = held_at(i, hashes[i]);
-        room_shown |= k > even && plain.is_some_and(|m| m <= t.feedback.miss_limit / 2.0);
+        room_shown |= k > even && plain.is_some_and(|m| m <= room_line);
         let Some(missed) = plain
             .into_iter()
             .chain(copies)
             .reduce(f64::max)
             .filter(|&m| match k > even {
                 // at the bound, the line between room and none is the one `room_shown` draws
-                true if before.is_some_and(|c| k >= c) => m > t.feedback.miss_limit / 2.0,
+                true if before.is_some_and(|c| k >= c) => m > room_line,
                 true => m > t.feedback.miss_limit,
                 false => settled && m > t.feedback.miss_limit * t.home_even_overflow,
             })
