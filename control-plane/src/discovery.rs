@@ -5,9 +5,17 @@
 //! versions are skipped when a router is slow: each table is complete). Each response carries a
 //! nonce; the router ACKs or NACKs it, and [`NodeRegistry`] records per node the applied version,
 //! the last NACK and when it was last heard from. A message that answers no push (an empty nonce)
-//! may carry the router's status (its queue depths), kept while its stream is open. Tables are
-//! encoded once per version
-//! ([`crate::store::PublishedTable`]) and the same buffer goes to every watcher.
+//! may carry the router's status (its queue depths, the cache bounds it learnt), kept while its
+//! stream is open. Tables are encoded once per version ([`crate::store::PublishedTable`]) and the
+//! same buffer goes to every watcher.
+//!
+//! Shared evidence: routers that each see part of the traffic learn how many of a variant's
+//! reused prefixes an instance's cache holds each from its own revisits, and until all have,
+//! they place differently, and with small caches every difference is an eviction (4 routers
+//! before 4 llama-servers took 20-40 s where one router took 10-20). So the least bound per
+//! variant that the connected routers report ([`NodeRegistry::fleet_bounds`]) goes to every
+//! watcher when it changes, in a response with no nonce and no table, which routers do not
+//! answer. It is this replica's routers' evidence only (not shared through etcd).
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
@@ -41,13 +49,26 @@ pub struct NodeStatus {
     /// Requests waiting in the node per endpoint, as it last reported (cleared when its last
     /// stream closes: a router that is gone holds no queue this control plane can vouch for).
     pub queues: Vec<proto::EndpointQueue>,
+    /// The cache bounds the node learnt, as it last reported (cleared with the queues).
+    pub cache_bounds: Vec<proto::CacheBound>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
 /// report their versions again.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct NodeRegistry {
     nodes: Mutex<HashMap<String, NodeStatus>>,
+    /// [`NodeRegistry::fleet_bounds`] of the nodes as they stand.
+    fleet: watch::Sender<Arc<Vec<proto::CacheBound>>>,
+}
+
+impl Default for NodeRegistry {
+    fn default() -> Self {
+        NodeRegistry {
+            nodes: Mutex::default(),
+            fleet: watch::channel(Arc::new(Vec::new())).0,
+        }
+    }
 }
 
 impl NodeRegistry {
@@ -56,6 +77,25 @@ impl NodeRegistry {
         let status = nodes.entry(node_id.to_string()).or_default();
         status.last_seen_unix_ms = now_unix_ms();
         f(status);
+        let fleet = fleet_bounds(nodes.values());
+        drop(nodes);
+        self.fleet.send_if_modified(|b| {
+            let changed = **b != fleet;
+            if changed {
+                *b = Arc::new(fleet);
+            }
+            changed
+        });
+    }
+
+    /// Per endpoint and variant, the least cache bound any connected node reports, sorted by
+    /// endpoint and variant (see the module doc).
+    pub fn fleet_bounds(&self) -> Arc<Vec<proto::CacheBound>> {
+        self.fleet.borrow().clone()
+    }
+
+    fn subscribe_fleet_bounds(&self) -> watch::Receiver<Arc<Vec<proto::CacheBound>>> {
+        self.fleet.subscribe()
     }
 
     /// Every node seen since start, sorted by id.
@@ -90,6 +130,31 @@ impl NodeRegistry {
     }
 }
 
+/// The least bound per endpoint and variant over the nodes with an open stream.
+fn fleet_bounds<'a>(nodes: impl Iterator<Item = &'a NodeStatus>) -> Vec<proto::CacheBound> {
+    let mut least: std::collections::BTreeMap<(&str, &str), u32> = Default::default();
+    for b in nodes
+        .filter(|s| s.streams > 0)
+        .flat_map(|s| &s.cache_bounds)
+    {
+        if b.keys == 0 {
+            continue;
+        }
+        least
+            .entry((b.endpoint_name.as_str(), b.variant_name.as_str()))
+            .and_modify(|k| *k = (*k).min(b.keys))
+            .or_insert(b.keys);
+    }
+    least
+        .into_iter()
+        .map(|((endpoint, variant), keys)| proto::CacheBound {
+            endpoint_name: endpoint.to_string(),
+            variant_name: variant.to_string(),
+            keys,
+        })
+        .collect()
+}
+
 /// Decrements the node's stream count when a stream ends, however it ends.
 struct StreamGuard {
     nodes: Arc<NodeRegistry>,
@@ -102,6 +167,7 @@ impl Drop for StreamGuard {
             s.streams = s.streams.saturating_sub(1);
             if s.streams == 0 {
                 s.queues.clear();
+                s.cache_bounds.clear();
             }
         });
     }
@@ -158,6 +224,7 @@ impl RoutingDiscovery for Discovery {
         let session = Session {
             _permit: permit,
             tables: self.store.subscribe(),
+            fleet: self.nodes.subscribe_fleet_bounds(),
             nodes: self.nodes.clone(),
             shutdown: self.shutdown.clone(),
             tx,
@@ -173,6 +240,7 @@ struct Session {
     /// Held for the stream's life.
     _permit: tokio::sync::OwnedSemaphorePermit,
     tables: watch::Receiver<Arc<PublishedTable>>,
+    fleet: watch::Receiver<Arc<Vec<proto::CacheBound>>>,
     nodes: Arc<NodeRegistry>,
     shutdown: watch::Receiver<bool>,
     tx: ResponseTx,
@@ -221,6 +289,7 @@ impl Session {
             }
             if let Some(status) = first.status {
                 s.queues = status.queues;
+                s.cache_bounds = status.cache_bounds;
             }
         });
         let _guard = StreamGuard {
@@ -234,6 +303,8 @@ impl Session {
         );
 
         let mut held = first.applied_version;
+        // the fleet's bounds this router was last sent (none yet: nothing to send)
+        let mut sent: Arc<Vec<proto::CacheBound>> = Arc::default();
         loop {
             let current = self.tables.borrow_and_update().clone();
             if current.version != held {
@@ -242,8 +313,20 @@ impl Session {
                 }
                 held = current.version;
             }
+            let fleet = self.fleet.borrow_and_update().clone();
+            if fleet != sent {
+                let response = WatchRoutingTableResponse {
+                    fleet_cache_bounds: fleet.to_vec(),
+                    ..Default::default()
+                };
+                if self.tx.send(Ok(response)).await.is_err() {
+                    return;
+                }
+                sent = fleet;
+            }
             tokio::select! {
                 changed = self.tables.changed() => if changed.is_err() { return },
+                changed = self.fleet.changed() => if changed.is_err() { return },
                 _ = self.shutdown.changed() => return,
                 _ = self.tx.closed() => return,
                 msg = inbound.message() => match msg {
@@ -279,6 +362,7 @@ impl Session {
             version: table.version,
             nonce,
             routing_table: table.encoded.clone(),
+            fleet_cache_bounds: Vec::new(),
         };
         self.tx.send(Ok(response)).await.is_ok()
     }
@@ -305,6 +389,7 @@ impl Session {
             }
             if let Some(status) = reply.status {
                 s.queues = status.queues;
+                s.cache_bounds = status.cache_bounds;
             }
         });
         if answered.is_some() {

@@ -448,6 +448,11 @@ impl Feedback {
         self.pass_due.load(Relaxed) && self.pass_due.swap(false, Relaxed)
     }
 
+    /// Asks for the homes pass at the next request (news from elsewhere: the fleet's bound).
+    pub fn request_pass(&self) {
+        self.pass_due.store(true, Relaxed);
+    }
+
     /// Whether any engine has reported on its prompt cache (engines that report nothing leave
     /// the homes pass as it was before the engines could be heard).
     #[inline]

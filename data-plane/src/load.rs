@@ -258,6 +258,12 @@ pub struct Homes {
     capacity: AtomicU32,
     /// Passes since an instance last overflowed.
     calm: AtomicU32,
+    /// The bound was taken from the fleet's (see [`Homes::fleet_bound`]), not learnt from this
+    /// router's own revisits, and has not fallen on them since: it is not reported back.
+    adopted: AtomicBool,
+    /// The least bound the routers on the control plane learnt for this variant, as it last
+    /// pushed it (0: none known).
+    fleet_bound: AtomicU32,
     /// While no bound is known: the most reused keys a pass's copies may give one instance
     /// (0: not probing yet; `u32::MAX`: the engines showed room, copies go by share). See
     /// [`crate::placement`]'s homes pass.
@@ -311,6 +317,8 @@ impl Default for Homes {
             copied: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
+            adopted: AtomicBool::new(false),
+            fleet_bound: AtomicU32::new(0),
             probe_level: AtomicU32::new(0),
             past_first_pass: AtomicBool::new(false),
             closings_seen: AtomicU64::new(0),
@@ -434,6 +442,31 @@ impl Homes {
 
     pub fn calm(&self) -> u32 {
         self.calm.load(Relaxed)
+    }
+
+    /// The bound, when this router learnt it from its own revisits (what it reports to the
+    /// control plane for the fleet).
+    pub fn own_capacity(&self) -> Option<u32> {
+        self.capacity().filter(|_| !self.adopted.load(Relaxed))
+    }
+
+    /// Whether the bound as stored was taken from the fleet's.
+    pub fn adopted(&self) -> bool {
+        self.adopted.load(Relaxed)
+    }
+
+    pub fn store_adopted(&self, adopted: bool) {
+        self.adopted.store(adopted, Relaxed);
+    }
+
+    /// The least bound the fleet's routers learnt (see the field).
+    pub fn fleet_bound(&self) -> Option<u32> {
+        Some(self.fleet_bound.load(Relaxed)).filter(|&c| c > 0)
+    }
+
+    /// Stores the fleet's bound; true when it changed.
+    pub fn store_fleet_bound(&self, bound: Option<u32>) -> bool {
+        self.fleet_bound.swap(bound.unwrap_or(0), Relaxed) != bound.unwrap_or(0)
     }
 
     /// The probe's level as stored (0: not started; `u32::MAX`: room shown).
@@ -743,6 +776,19 @@ impl VariantLoad {
 
     pub fn homes(&self) -> &Homes {
         self.homes.get_or_init(Homes::default)
+    }
+
+    /// Stores the fleet's cache bound (the least the control plane's routers learnt, see
+    /// `crate::watch`); a router with no bound of its own runs its homes pass at its next
+    /// request, where it takes it (see `placement::homes`).
+    pub fn store_fleet_bound(&self, bound: Option<u32>) {
+        if bound.is_none() && self.homes.get().is_none() {
+            return; // (no homes pass ran: nothing to forget)
+        }
+        let homes = self.homes();
+        if homes.store_fleet_bound(bound) && bound.is_some() && homes.capacity().is_none() {
+            self.feedback().request_pass();
+        }
     }
 }
 

@@ -222,12 +222,27 @@ impl Metrics {
         let mut bound = out.gauge(
             "prefix_router_cache_bound_keys",
             "Reused prompt prefixes an instance's cache was seen to hold, as this router learnt \
-             it from the engines' reports (absent until a cache overflowed); no instance is given \
-             more of them.",
+             it from the engines' reports or took it from its fleet's (absent until a cache \
+             overflowed); no instance is given more of them.",
         );
         for (endpoint, variant) in variants() {
             if let Some(keys) = variant.load().homes().capacity() {
                 bound.sample(
+                    &[("endpoint", endpoint.name()), ("variant", variant.name())],
+                    f64::from(keys),
+                );
+            }
+        }
+        let mut fleet = out.gauge(
+            "prefix_router_fleet_cache_bound_keys",
+            "The least cache bound (prefix_router_cache_bound_keys) that the routers on this \
+             router's control plane learnt from their own revisits, as it passed it on (absent: \
+             none known); a router with no bound of its own takes it unless its own revisits \
+             showed room above it.",
+        );
+        for (endpoint, variant) in variants() {
+            if let Some(keys) = variant.load().homes().fleet_bound() {
+                fleet.sample(
                     &[("endpoint", endpoint.name()), ("variant", variant.name())],
                     f64::from(keys),
                 );

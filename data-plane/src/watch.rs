@@ -2,8 +2,12 @@
 //! control plane, validates each table, swaps it in, and ACKs (or NACKs and keeps the last good
 //! one). Reconnects with exponential backoff and jitter; with the control plane gone the last good
 //! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
-//! stream the router reports its status (requests waiting per endpoint and priority) when it
-//! changes, checked every [`STATUS_EVERY`], for `prefixctl endpoint describe`.
+//! stream the router reports its status (requests waiting per endpoint and priority, for
+//! `prefixctl endpoint describe`; the cache bounds it learnt from the engines' reports) when it
+//! changes, checked every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's
+//! evidence, not answered: the least cache bound per variant that the control plane's routers
+//! learnt ([`apply_fleet_bounds`]), which a router with none of its own takes at its next pass
+//! (see `placement::homes`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
@@ -239,6 +243,10 @@ async fn watch_once(
         tokio::select! {
             response = inbound.message() => {
                 let Some(response) = response? else { break };
+                if response.nonce.is_empty() && response.routing_table.is_empty() {
+                    apply_fleet_bounds(router, &response.fleet_cache_bounds);
+                    continue;
+                }
                 let (answer, applied) = apply(router, node_id, response);
                 if tx.send(answer).await.is_err() {
                     break;
@@ -273,14 +281,46 @@ async fn watch_once(
     Ok(())
 }
 
-/// What the router reports of itself: the requests waiting per endpoint of its table.
+/// What the router reports of itself: the requests waiting per endpoint of its table, and the
+/// cache bounds it learnt itself.
 fn status(router: &Router) -> proto::RouterStatus {
     let table = router.table.load();
+    let Some(table) = table.as_deref() else {
+        return proto::RouterStatus::default();
+    };
+    let mut cache_bounds = Vec::new();
+    for e in table.endpoints() {
+        for v in e.variants() {
+            if let Some(keys) = v.load().homes().own_capacity() {
+                cache_bounds.push(proto::CacheBound {
+                    endpoint_name: e.name().to_string(),
+                    variant_name: v.name().to_string(),
+                    keys,
+                });
+            }
+        }
+    }
     proto::RouterStatus {
-        queues: table
-            .as_deref()
-            .map(crate::flow::endpoint_queues)
-            .unwrap_or_default(),
+        queues: crate::flow::endpoint_queues(table),
+        cache_bounds,
+    }
+}
+
+/// Stores the fleet's cache bounds in the variants of the table (a variant not listed has none).
+pub(crate) fn apply_fleet_bounds(router: &Router, bounds: &[proto::CacheBound]) {
+    let table = router.table.load();
+    let Some(table) = table.as_deref() else {
+        return;
+    };
+    for e in table.endpoints() {
+        for v in e.variants() {
+            let bound = bounds
+                .iter()
+                .find(|b| b.endpoint_name == e.name() && b.variant_name == v.name())
+                .map(|b| b.keys)
+                .filter(|&k| k > 0);
+            v.load().store_fleet_bound(bound);
+        }
     }
 }
 
@@ -426,6 +466,56 @@ mod tests {
         assert!(b.next_delay() <= Duration::from_millis(100));
     }
 
+    #[test]
+    fn a_router_reports_the_bounds_it_learnt_and_stores_the_fleets() {
+        use crate::table::tests::{table, variant};
+        use proto::RoutingStrategy;
+        let config = crate::Config::default();
+        let router = Router::new(
+            &config,
+            crate::access::Access::load(&config).unwrap(),
+            crate::upstream::tls_connector(None).unwrap(),
+        );
+        let a = ["http://10.0.0.1:80", "http://10.0.0.2:80"];
+        let wire = table(
+            1,
+            "e",
+            vec![
+                variant("v1", RoutingStrategy::PrefixAware, &a),
+                variant("v2", RoutingStrategy::PrefixAware, &a),
+            ],
+        );
+        store(&router, RoutingTable::try_from(wire).unwrap());
+        let table = router.table.load_full().unwrap();
+        let e = table.endpoint("e").unwrap();
+        let (v1, v2) = (e.variant("v1").unwrap(), e.variant("v2").unwrap());
+        assert!(
+            status(&router).cache_bounds.is_empty(),
+            "nothing learnt yet"
+        );
+        // v1 learnt a bound from its own revisits; v2 took one from the fleet (not reported)
+        v1.load().homes().store_capacity(Some(3), 0);
+        v2.load().homes().store_capacity(Some(2), 0);
+        v2.load().homes().store_adopted(true);
+        let bound = |variant: &str, keys| proto::CacheBound {
+            endpoint_name: "e".into(),
+            variant_name: variant.into(),
+            keys,
+        };
+        assert_eq!(status(&router).cache_bounds, vec![bound("v1", 3)]);
+        // the fleet's bounds: v1's is stored, and a variant not listed has none
+        v2.load().homes().store_capacity(None, 0);
+        v2.load().store_fleet_bound(Some(4));
+        apply_fleet_bounds(&router, &[bound("v1", 2), bound("other", 7)]);
+        assert_eq!(v1.load().homes().fleet_bound(), Some(2));
+        assert_eq!(v2.load().homes().fleet_bound(), None);
+        // a variant with no bound of its own runs its pass at the next request, to take it
+        assert!(!v1.load().feedback().take_pass_due(), "v1 has its own");
+        apply_fleet_bounds(&router, &[bound("v2", 5)]);
+        assert!(v2.load().feedback().take_pass_due());
+        assert_eq!(v2.load().homes().fleet_bound(), Some(5));
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::test_runner::Config {
             rng_seed: proptest::test_runner::RngSeed::Fixed(0x15),
@@ -450,6 +540,7 @@ mod tests {
                 version,
                 nonce: "n1".into(),
                 routing_table: bytes.into(),
+                ..Default::default()
             };
             let (answer, applied) = apply(&router, "node", response);
             proptest::prop_assert_eq!(answer.response_nonce, "n1");

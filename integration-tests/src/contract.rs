@@ -182,11 +182,55 @@ impl Watcher {
         self.tx
             .send(WatchRoutingTableRequest {
                 node_id: self.node_id.clone(),
-                status: Some(proto::RouterStatus { queues }),
+                status: Some(proto::RouterStatus {
+                    queues,
+                    ..Default::default()
+                }),
                 ..Default::default()
             })
             .await
             .unwrap();
+    }
+
+    /// A status report of the cache bounds the router learnt: `(endpoint, variant, keys)`.
+    async fn report_bounds(&self, bounds: &[(&str, &str, u32)]) {
+        let cache_bounds = bounds
+            .iter()
+            .map(|&(endpoint, variant, keys)| proto::CacheBound {
+                endpoint_name: endpoint.into(),
+                variant_name: variant.into(),
+                keys,
+            })
+            .collect();
+        self.tx
+            .send(WatchRoutingTableRequest {
+                node_id: self.node_id.clone(),
+                status: Some(proto::RouterStatus {
+                    cache_bounds,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+
+    /// The next response, which must be the fleet's bounds (no nonce, no table):
+    /// `(endpoint, variant, keys)`.
+    async fn next_fleet_bounds(&mut self) -> Vec<(String, String, u32)> {
+        let resp = tokio::time::timeout(Duration::from_secs(10), self.rx.next())
+            .await
+            .expect("a response within 10 s")
+            .expect("stream open")
+            .expect("no stream error");
+        assert!(
+            resp.nonce.is_empty() && resp.routing_table.is_empty(),
+            "not the fleet's bounds: {resp:?}"
+        );
+        resp.fleet_cache_bounds
+            .into_iter()
+            .map(|b| (b.endpoint_name, b.variant_name, b.keys))
+            .collect()
     }
 
     async fn reply(&self, resp: &WatchRoutingTableResponse, error: &str) {
@@ -806,6 +850,44 @@ pub async fn status_reports_show_per_endpoint_until_the_stream_ends(backend: Bac
     cp.stop().await.unwrap();
 }
 
+pub async fn learnt_cache_bounds_reach_every_router_as_the_least_per_variant(backend: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let cp =
+        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
+            .await;
+    let mut c = cp.client().await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
+    let mut w1 = Watcher::connect(&cp.url, "router-1", 0).await;
+    let mut w2 = Watcher::connect(&cp.url, "router-2", 0).await;
+    let (r1, _) = w1.next().await;
+    let (r2, _) = w2.next().await;
+    w1.reply(&r1, "").await;
+    w2.reply(&r2, "").await;
+    let bound = |e: &str, v: &str, k: u32| (e.to_string(), v.to_string(), k);
+    // router-1 learnt that v1's caches hold 3 keys: both routers hear it
+    w1.report_bounds(&[("ep", "v1", 3)]).await;
+    assert_eq!(w1.next_fleet_bounds().await, vec![bound("ep", "v1", 3)]);
+    assert_eq!(w2.next_fleet_bounds().await, vec![bound("ep", "v1", 3)]);
+    // router-2 learnt 2 for v1, and 5 for another variant: the least per variant
+    w2.report_bounds(&[("ep", "v1", 2), ("ep", "v2", 5)]).await;
+    let both = vec![bound("ep", "v1", 2), bound("ep", "v2", 5)];
+    assert_eq!(w1.next_fleet_bounds().await, both);
+    assert_eq!(w2.next_fleet_bounds().await, both);
+    // a router that connects now hears them after its table
+    let mut w3 = Watcher::connect(&cp.url, "router-3", 0).await;
+    let _ = w3.next().await;
+    assert_eq!(w3.next_fleet_bounds().await, both);
+    // router-2 gone: its bounds go with it
+    drop(w2);
+    assert_eq!(w1.next_fleet_bounds().await, vec![bound("ep", "v1", 3)]);
+    assert_eq!(w3.next_fleet_bounds().await, vec![bound("ep", "v1", 3)]);
+    // router-1 forgot its bound: none is known
+    w1.report_bounds(&[]).await;
+    assert_eq!(w1.next_fleet_bounds().await, vec![]);
+    assert_eq!(w3.next_fleet_bounds().await, vec![]);
+    cp.stop().await.unwrap();
+}
+
 pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     let cp =
@@ -1029,7 +1111,7 @@ reflection_client!(reflection_v1alpha, tonic_reflection::pb::v1alpha);
 #[macro_export]
 macro_rules! contract_suite {
     ($run:path) => {
-        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
+        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
     };
     (@cases $run:path; $($name:ident),* $(,)?) => {
         $(
