@@ -12,10 +12,12 @@
 //! Shared evidence: routers that each see part of the traffic learn how many of a variant's
 //! reused prefixes an instance's cache holds each from its own revisits, and until all have,
 //! they place differently, and with small caches every difference is an eviction (4 routers
-//! before 4 llama-servers took 20-40 s where one router took 10-20). So the least bound per
-//! variant that the connected routers report ([`NodeRegistry::fleet_bounds`]) goes to every
-//! watcher when it changes, in a response with no nonce and no table, which routers do not
-//! answer. It is this replica's routers' evidence only (not shared through etcd).
+//! before 4 llama-servers took 20-40 s where one router took 10-20). So each watcher gets the
+//! least bound per variant that the other connected routers report
+//! ([`NodeRegistry::fleet_bounds_for`]; its own would only echo back, and a bound it forgot
+//! would come back as the fleet's) whenever that changes, in a response with no nonce and no
+//! table, which routers do not answer. It is this replica's routers' evidence only (not shared
+//! through etcd).
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
@@ -58,15 +60,15 @@ pub struct NodeStatus {
 #[derive(Debug)]
 pub struct NodeRegistry {
     nodes: Mutex<HashMap<String, NodeStatus>>,
-    /// [`NodeRegistry::fleet_bounds`] of the nodes as they stand.
-    fleet: watch::Sender<Arc<Vec<proto::CacheBound>>>,
+    /// Bumped whenever a node's reported cache bounds change (or go with its last stream).
+    bounds_changed: watch::Sender<u64>,
 }
 
 impl Default for NodeRegistry {
     fn default() -> Self {
         NodeRegistry {
             nodes: Mutex::default(),
-            fleet: watch::channel(Arc::new(Vec::new())).0,
+            bounds_changed: watch::channel(0).0,
         }
     }
 }
@@ -76,26 +78,32 @@ impl NodeRegistry {
         let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
         let status = nodes.entry(node_id.to_string()).or_default();
         status.last_seen_unix_ms = now_unix_ms();
+        let (bounds, streams) = (status.cache_bounds.len(), status.streams);
+        let before = (bounds > 0).then(|| status.cache_bounds.clone());
         f(status);
-        let fleet = fleet_bounds(nodes.values());
+        let changed = match before {
+            Some(b) => b != status.cache_bounds || (streams > 0) != (status.streams > 0),
+            None => !status.cache_bounds.is_empty(),
+        };
         drop(nodes);
-        self.fleet.send_if_modified(|b| {
-            let changed = **b != fleet;
-            if changed {
-                *b = Arc::new(fleet);
-            }
-            changed
-        });
+        if changed {
+            self.bounds_changed.send_modify(|n| *n += 1);
+        }
     }
 
-    /// Per endpoint and variant, the least cache bound any connected node reports, sorted by
-    /// endpoint and variant (see the module doc).
-    pub fn fleet_bounds(&self) -> Arc<Vec<proto::CacheBound>> {
-        self.fleet.borrow().clone()
+    /// Per endpoint and variant, the least cache bound that a connected node other than
+    /// `node_id` reports, sorted by endpoint and variant (see the module doc).
+    pub fn fleet_bounds_for(&self, node_id: &str) -> Vec<proto::CacheBound> {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        let others = nodes
+            .iter()
+            .filter(|(id, _)| id.as_str() != node_id)
+            .map(|(_, s)| s);
+        fleet_bounds(others)
     }
 
-    fn subscribe_fleet_bounds(&self) -> watch::Receiver<Arc<Vec<proto::CacheBound>>> {
-        self.fleet.subscribe()
+    fn subscribe_bounds(&self) -> watch::Receiver<u64> {
+        self.bounds_changed.subscribe()
     }
 
     /// Every node seen since start, sorted by id.
@@ -224,7 +232,7 @@ impl RoutingDiscovery for Discovery {
         let session = Session {
             _permit: permit,
             tables: self.store.subscribe(),
-            fleet: self.nodes.subscribe_fleet_bounds(),
+            bounds: self.nodes.subscribe_bounds(),
             nodes: self.nodes.clone(),
             shutdown: self.shutdown.clone(),
             tx,
@@ -240,7 +248,7 @@ struct Session {
     /// Held for the stream's life.
     _permit: tokio::sync::OwnedSemaphorePermit,
     tables: watch::Receiver<Arc<PublishedTable>>,
-    fleet: watch::Receiver<Arc<Vec<proto::CacheBound>>>,
+    bounds: watch::Receiver<u64>,
     nodes: Arc<NodeRegistry>,
     shutdown: watch::Receiver<bool>,
     tx: ResponseTx,
@@ -304,7 +312,7 @@ impl Session {
 
         let mut held = first.applied_version;
         // the fleet's bounds this router was last sent (none yet: nothing to send)
-        let mut sent: Arc<Vec<proto::CacheBound>> = Arc::default();
+        let mut sent: Vec<proto::CacheBound> = Vec::new();
         loop {
             let current = self.tables.borrow_and_update().clone();
             if current.version != held {
@@ -312,11 +320,14 @@ impl Session {
                     return;
                 }
                 held = current.version;
+                // a new table may hold new variants: the fleet's bounds follow it again
+                sent.clear();
             }
-            let fleet = self.fleet.borrow_and_update().clone();
+            self.bounds.borrow_and_update();
+            let fleet = self.nodes.fleet_bounds_for(&node_id);
             if fleet != sent {
                 let response = WatchRoutingTableResponse {
-                    fleet_cache_bounds: fleet.to_vec(),
+                    fleet_cache_bounds: fleet.clone(),
                     ..Default::default()
                 };
                 if self.tx.send(Ok(response)).await.is_err() {
@@ -326,7 +337,7 @@ impl Session {
             }
             tokio::select! {
                 changed = self.tables.changed() => if changed.is_err() { return },
-                changed = self.fleet.changed() => if changed.is_err() { return },
+                changed = self.bounds.changed() => if changed.is_err() { return },
                 _ = self.shutdown.changed() => return,
                 _ = self.tx.closed() => return,
                 msg = inbound.message() => match msg {

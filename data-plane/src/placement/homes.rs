@@ -75,6 +75,18 @@
 //! of its revisits, under the limit, for the rest of the run: one router's hit 90% against the
 //! workload's ceiling of 94.1%; `a_bound_whose_instances_miss_at_it_falls`.)
 //!
+//! Routers share what they learnt: each reports the bound it learnt from its own revisits on
+//! its watch stream, the control plane passes the least one per variant on to every router
+//! (`control-plane`'s `discovery`), and a router with no bound of its own takes it at its next
+//! pass ([`learn_capacity`]), unless its own revisits since the last pass showed room above it
+//! (an instance that held more keys missed no more than the half of the limit that shows
+//! room). A bound taken is not reported back, so the fleet's bound goes once no router's own
+//! evidence holds it. Alone, each of 4 routers that see a quarter of the traffic learnt the bound
+//! from a quarter of the revisits, and they placed apart meanwhile: before 4 llama-servers whose
+//! caches held 2 of 8 documents the last learnt it 5 s after the first and the fleet took 20-40 s
+//! to settle; in the placement simulation, the last learnt it 60-390 requests after the first
+//! (`four_routers_that_share_their_learnt_bounds_agree_as_soon_as_one_has_learnt`).
+//!
 //! Under a bound, only the keys a pass gave room for their copies are spread between passes: a
 //! key the pass counted as not hot (or did not count) that this router's estimate later calls
 //! hot stays in its one place, as it does on the routers whose estimates did not move (4 routers

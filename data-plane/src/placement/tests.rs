@@ -895,8 +895,8 @@ fn serve_by(
 }
 
 /// [`serve_by`], and with `shared` the routers' own cache bounds reach each other after every
-/// request, as the control plane passes them on (the least one, `control-plane`'s
-/// `discovery::fleet_bounds`).
+/// request, as the control plane passes them on (to each router the least of the others',
+/// `control-plane`'s `NodeRegistry::fleet_bounds_for`).
 fn serve_through(
     routers: &[(&Placement, &RoutingTable)],
     stream: &[usize],
@@ -944,11 +944,13 @@ fn serve_through(
             }
         }
         if shared {
-            let least = routers
+            let own: Vec<Option<u32>> = routers
                 .iter()
-                .filter_map(|(_, t)| variant_of(t).load().homes().own_capacity())
-                .min();
-            for (_, t) in routers {
+                .map(|(_, t)| variant_of(t).load().homes().own_capacity())
+                .collect();
+            for (j, (_, t)) in routers.iter().enumerate() {
+                let others = own.iter().enumerate().filter(|&(o, _)| o != j);
+                let least = others.filter_map(|(_, &c)| c).min();
                 variant_of(t).load().store_fleet_bound(least);
             }
         }

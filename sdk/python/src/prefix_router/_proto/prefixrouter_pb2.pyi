@@ -356,10 +356,22 @@ class WatchRoutingTableRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., response_nonce: _Optional[str] = ..., error_detail: _Optional[str] = ..., status: _Optional[_Union[RouterStatus, _Mapping]] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("queues",)
+    __slots__ = ("queues", "cache_bounds")
     QUEUES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
-    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ...) -> None: ...
+    cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
+    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ...) -> None: ...
+
+class CacheBound(_message.Message):
+    __slots__ = ("endpoint_name", "variant_name", "keys")
+    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    endpoint_name: str
+    variant_name: str
+    keys: int
+    def __init__(self, endpoint_name: _Optional[str] = ..., variant_name: _Optional[str] = ..., keys: _Optional[int] = ...) -> None: ...
 
 class EndpointQueue(_message.Message):
     __slots__ = ("endpoint_name", "critical", "standard", "sheddable")
@@ -374,11 +386,13 @@ class EndpointQueue(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ..., critical: _Optional[int] = ..., standard: _Optional[int] = ..., sheddable: _Optional[int] = ...) -> None: ...
 
 class WatchRoutingTableResponse(_message.Message):
-    __slots__ = ("version", "nonce", "routing_table")
+    __slots__ = ("version", "nonce", "routing_table", "fleet_cache_bounds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ROUTING_TABLE_FIELD_NUMBER: _ClassVar[int]
+    FLEET_CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     routing_table: bytes
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ...) -> None: ...
+    fleet_cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ..., fleet_cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ...) -> None: ...
