@@ -127,6 +127,7 @@ impl NodeRegistry {
                 last_seen_unix_ms: s.last_seen_unix_ms,
                 last_nack: s.last_nack,
                 queues: s.queues,
+                cache_bounds: s.cache_bounds,
             })
             .collect()
     }

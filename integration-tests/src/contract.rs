@@ -869,9 +869,30 @@ pub async fn learnt_cache_bounds_reach_every_router_as_the_least_per_variant(bac
     w1.report_bounds(&[("ep", "v1", 3)]).await;
     assert_eq!(w2.next_fleet_bounds().await, vec![bound("ep", "v1", 3)]);
     // router-2 learnt 2 for v1, and 5 for another variant: router-1 hears them
-    w2.report_bounds(&[("ep", "v1", 2), ("ep", "v2", 5)]).await;
-    let both = vec![bound("ep", "v1", 2), bound("ep", "v2", 5)];
+    w2.report_bounds(&[("ep", "v1", 2), ("ep", "v2", 5), ("other", "v9", 1)])
+        .await;
+    let both = vec![
+        bound("ep", "v1", 2),
+        bound("ep", "v2", 5),
+        bound("other", "v9", 1),
+    ];
     assert_eq!(w1.next_fleet_bounds().await, both);
+    // DescribeEndpoint shows what each router learnt, for the described endpoint only
+    let d = wait_for_node(&c, "router-2's bounds", "router-2", |n| {
+        !n.cache_bounds.is_empty()
+    })
+    .await;
+    let node = d
+        .data_planes
+        .iter()
+        .find(|n| n.node_id == "router-2")
+        .unwrap();
+    let described: Vec<(&str, u32)> = node
+        .cache_bounds
+        .iter()
+        .map(|b| (b.variant_name.as_str(), b.keys))
+        .collect();
+    assert_eq!(described, [("v1", 2), ("v2", 5)]);
     // a router that connects now hears the least of each variant, after its table
     let mut w3 = Watcher::connect(&cp.url, "router-3", 0).await;
     let _ = w3.next().await;

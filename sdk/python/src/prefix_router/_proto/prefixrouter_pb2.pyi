@@ -208,7 +208,7 @@ class DescribeEndpointRequest(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ...) -> None: ...
 
 class DataPlaneStatus(_message.Message):
-    __slots__ = ("node_id", "applied_version", "up_to_date", "connected", "last_seen_unix_ms", "last_nack", "queues")
+    __slots__ = ("node_id", "applied_version", "up_to_date", "connected", "last_seen_unix_ms", "last_nack", "queues", "cache_bounds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class DataPlaneStatus(_message.Message):
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_NACK_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     applied_version: int
     up_to_date: bool
@@ -223,7 +224,8 @@ class DataPlaneStatus(_message.Message):
     last_seen_unix_ms: int
     last_nack: str
     queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
-    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., up_to_date: _Optional[bool] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., last_nack: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ...) -> None: ...
+    cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
+    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., up_to_date: _Optional[bool] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., last_nack: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ...) -> None: ...
 
 class DescribeEndpointResponse(_message.Message):
     __slots__ = ("endpoint", "endpoint_config", "registered_instances", "current_routing_table_version", "data_planes")
