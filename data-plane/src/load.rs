@@ -778,7 +778,13 @@ impl VariantLoad {
         self.homes.get_or_init(Homes::default)
     }
 
-    /// Stores the fleet's cache bound (the least the control plane's routers learnt, see
+    /// The cache bound this router learnt from its own revisits, if a homes pass ever ran (what
+    /// it reports for the fleet; asking creates no homes for a variant that has none).
+    pub fn own_cache_bound(&self) -> Option<u32> {
+        self.homes.get().and_then(Homes::own_capacity)
+    }
+
+    /// Stores the fleet's cache bound (the least the control plane's other routers learnt, see
     /// `crate::watch`); a router with no bound of its own runs its homes pass at its next
     /// request, where it takes it (see `placement::homes`).
     pub fn store_fleet_bound(&self, bound: Option<u32>) {

@@ -235,10 +235,10 @@ impl Metrics {
         }
         let mut fleet = out.gauge(
             "prefix_router_fleet_cache_bound_keys",
-            "The least cache bound (prefix_router_cache_bound_keys) that the routers on this \
-             router's control plane learnt from their own revisits, as it passed it on (absent: \
-             none known); a router with no bound of its own takes it unless its own revisits \
-             showed room above it.",
+            "The least cache bound (prefix_router_cache_bound_keys) that the other routers on \
+             this router's control plane learnt from their own revisits, as it passed it on \
+             (absent: none known); a router with no bound of its own takes it unless its own \
+             revisits showed room above it.",
         );
         for (endpoint, variant) in variants() {
             if let Some(keys) = variant.load().homes().fleet_bound() {

@@ -291,7 +291,7 @@ fn status(router: &Router) -> proto::RouterStatus {
     let mut cache_bounds = Vec::new();
     for e in table.endpoints() {
         for v in e.variants() {
-            if let Some(keys) = v.load().homes().own_capacity() {
+            if let Some(keys) = v.load().own_cache_bound() {
                 cache_bounds.push(proto::CacheBound {
                     endpoint_name: e.name().to_string(),
                     variant_name: v.name().to_string(),

@@ -76,11 +76,11 @@
 //! workload's ceiling of 94.1%; `a_bound_whose_instances_miss_at_it_falls`.)
 //!
 //! Routers share what they learnt: each reports the bound it learnt from its own revisits on
-//! its watch stream, the control plane passes the least one per variant on to every router
-//! (`control-plane`'s `discovery`), and a router with no bound of its own takes it at its next
-//! pass ([`learn_capacity`]), unless its own revisits since the last pass showed room above it
-//! (an instance that held more keys missed no more than the half of the limit that shows
-//! room). A bound taken is not reported back, so the fleet's bound goes once no router's own
+//! its watch stream, the control plane passes on to each router the least one per variant of
+//! the other routers' (`control-plane`'s `discovery`), and a router with no bound of its own
+//! takes it at its next pass ([`learn_capacity`]), unless its own revisits since the last pass
+//! showed room above it (an instance that held more keys missed no more than the half of the
+//! limit that shows room). A bound taken is not reported back, so the fleet's bound goes once no router's own
 //! evidence holds it. Alone, each of 4 routers that see a quarter of the traffic learnt the bound
 //! from a quarter of the revisits, and they placed apart meanwhile: before 4 llama-servers whose
 //! caches held 2 of 8 documents the last learnt it 5 s after the first and the fleet took 20-40 s
@@ -362,8 +362,9 @@ pub(super) fn learn_capacity(v: &Variant, reused: usize, t: &Tuning) -> (Option<
         };
         cap = Some(cap.map_or(holds, |c| c.min(holds)));
     }
-    // The fleet's bound (the least one the routers on this control plane learnt from their own
-    // revisits, see `crate::watch`): a router that has none takes it, unless its own revisits
+    // The fleet's bound (the least one the other routers on this control plane learnt from
+    // their own revisits, see `crate::watch`): a router that has none takes it, unless its own
+    // revisits
     // showed room above it (an instance that held more keys missed no more than the room line).
     // Each of 4 routers that see a quarter of the traffic learns from a quarter of the revisits;
     // alone, they took 9-15 s to learn a bound on 4 llama-servers, and placed apart until then.
