@@ -143,3 +143,52 @@ mod tests {
         assert_eq!(back, table);
     }
 }
+
+/// The fleet's ranking of a variant's reused prompt prefixes (`RouterStatus.key_rankings`,
+/// `WatchRoutingTableResponse.fleet_key_rankings`).
+pub mod ranking {
+    use std::collections::HashMap;
+
+    /// The most keys a ranking holds, as reported and as merged.
+    pub const MAX_KEYS: usize = 64;
+
+    /// Merges the routers' rankings (each hottest first) into one: a key's score is the sum
+    /// over the rankings of its position in each (a ranking that does not list it counts it
+    /// after all of its own keys), lowest first, then by key; at most [`MAX_KEYS`]. Each router
+    /// ranks from its own part of the traffic; the sum ranks from all of it, and every router
+    /// that gets it places alike.
+    pub fn merge<'a>(rankings: impl IntoIterator<Item = &'a [u64]>) -> Vec<u64> {
+        let rankings: Vec<&[u64]> = rankings.into_iter().filter(|r| !r.is_empty()).collect();
+        let mut score: HashMap<u64, u64> = HashMap::new();
+        for r in &rankings {
+            for &k in r.iter() {
+                score.entry(k).or_insert(0);
+            }
+        }
+        for r in &rankings {
+            let position: HashMap<u64, usize> = r.iter().enumerate().map(|(i, &k)| (k, i)).collect();
+            for (k, s) in score.iter_mut() {
+                *s += position.get(k).copied().unwrap_or(r.len()) as u64;
+            }
+        }
+        let mut merged: Vec<(u64, u64)> = score.into_iter().map(|(k, s)| (s, k)).collect();
+        merged.sort_unstable();
+        merged.into_iter().take(MAX_KEYS).map(|(_, k)| k).collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::merge;
+
+        #[test]
+        fn the_merged_ranking_sums_each_keys_positions() {
+            assert!(merge([]).is_empty());
+            assert_eq!(merge([&[3u64, 1, 2][..]]), vec![3, 1, 2]);
+            // 1: 0 + 1 + 0, 2: 1 + 0 + 2, 3: 2 + 3 (not listed) + 1
+            let merged = merge([&[1u64, 2, 3][..], &[2, 1, 4], &[1, 3, 2]]);
+            assert_eq!(merged, vec![1, 2, 3, 4]);
+            // a key listed by one router only goes after those listed by all
+            assert_eq!(merge([&[9u64, 1][..], &[1]]), vec![1, 9]);
+        }
+    }
+}
