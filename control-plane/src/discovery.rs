@@ -16,12 +16,8 @@
 //! least bound per variant that the other connected routers report
 //! ([`NodeRegistry::fleet_bounds_for`]; its own would only echo back, and a bound it forgot
 //! would come back as the fleet's) whenever that changes, in a response with no nonce and no
-//! table, which routers do not answer. In the same response goes, per variant, the connected
-//! routers' rankings of its reused keys (hottest first) merged into one
-//! ([`NodeRegistry::fleet_rankings`]), to every router, itself included: under a bound routers
-//! place the hottest keys apart by rank, and rankings estimated from each router's part of the
-//! traffic differ where shares are near, each difference an eviction. It is this replica's
-//! routers' evidence only (not shared through etcd).
+//! table, which routers do not answer. It is this replica's routers' evidence only (not shared
+//! through etcd).
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
@@ -57,8 +53,6 @@ pub struct NodeStatus {
     pub queues: Vec<proto::EndpointQueue>,
     /// The cache bounds the node learnt, as it last reported (cleared with the queues).
     pub cache_bounds: Vec<proto::CacheBound>,
-    /// Its own rankings of the variants' reused keys, as it last reported (cleared likewise).
-    pub key_rankings: Vec<proto::KeyRanking>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
@@ -66,8 +60,7 @@ pub struct NodeStatus {
 #[derive(Debug)]
 pub struct NodeRegistry {
     nodes: Mutex<HashMap<String, NodeStatus>>,
-    /// Bumped whenever a node's reported cache bounds or rankings change (or go with its last
-    /// stream).
+    /// Bumped whenever a node's reported cache bounds change (or go with its last stream).
     bounds_changed: watch::Sender<u64>,
 }
 
@@ -85,13 +78,13 @@ impl NodeRegistry {
         let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
         let status = nodes.entry(node_id.to_string()).or_default();
         status.last_seen_unix_ms = now_unix_ms();
-        let evidence = |s: &NodeStatus| {
-            (!s.cache_bounds.is_empty() || !s.key_rankings.is_empty())
-                .then(|| (s.cache_bounds.clone(), s.key_rankings.clone(), s.streams > 0))
-        };
-        let before = evidence(status);
+        let (bounds, streams) = (status.cache_bounds.len(), status.streams);
+        let before = (bounds > 0).then(|| status.cache_bounds.clone());
         f(status);
-        let changed = before != evidence(status);
+        let changed = match before {
+            Some(b) => b != status.cache_bounds || (streams > 0) != (status.streams > 0),
+            None => !status.cache_bounds.is_empty(),
+        };
         drop(nodes);
         if changed {
             self.bounds_changed.send_modify(|n| *n += 1);
@@ -107,28 +100,6 @@ impl NodeRegistry {
             .filter(|(id, _)| id.as_str() != node_id)
             .map(|(_, s)| s);
         fleet_bounds(others)
-    }
-
-    /// Per endpoint and variant, the connected nodes' rankings merged
-    /// ([`proto::ranking::merge`]), the same for every node (see the module doc).
-    pub fn fleet_rankings(&self) -> Vec<proto::KeyRanking> {
-        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
-        let mut per: std::collections::BTreeMap<(&str, &str), Vec<&[u64]>> = Default::default();
-        for s in nodes.values().filter(|s| s.streams > 0) {
-            for r in &s.key_rankings {
-                per.entry((r.endpoint_name.as_str(), r.variant_name.as_str()))
-                    .or_default()
-                    .push(&r.keys[..r.keys.len().min(proto::ranking::MAX_KEYS)]);
-            }
-        }
-        per.into_iter()
-            .map(|((endpoint, variant), rankings)| proto::KeyRanking {
-                endpoint_name: endpoint.to_string(),
-                variant_name: variant.to_string(),
-                keys: proto::ranking::merge(rankings),
-            })
-            .filter(|r| !r.keys.is_empty())
-            .collect()
     }
 
     fn subscribe_bounds(&self) -> watch::Receiver<u64> {
@@ -206,7 +177,6 @@ impl Drop for StreamGuard {
             if s.streams == 0 {
                 s.queues.clear();
                 s.cache_bounds.clear();
-                s.key_rankings.clear();
             }
         });
     }
@@ -329,7 +299,6 @@ impl Session {
             if let Some(status) = first.status {
                 s.queues = status.queues;
                 s.cache_bounds = status.cache_bounds;
-                s.key_rankings = status.key_rankings;
             }
         });
         let _guard = StreamGuard {
@@ -343,8 +312,8 @@ impl Session {
         );
 
         let mut held = first.applied_version;
-        // the fleet's bounds and rankings this router was last sent (none yet: nothing to send)
-        let mut sent: (Vec<proto::CacheBound>, Vec<proto::KeyRanking>) = Default::default();
+        // the fleet's bounds this router was last sent (none yet: nothing to send)
+        let mut sent: Vec<proto::CacheBound> = Vec::new();
         loop {
             let current = self.tables.borrow_and_update().clone();
             if current.version != held {
@@ -352,18 +321,14 @@ impl Session {
                     return;
                 }
                 held = current.version;
-                // a new table may hold new variants: the fleet's evidence follows it again
-                sent = Default::default();
+                // a new table may hold new variants: the fleet's bounds follow it again
+                sent.clear();
             }
             self.bounds.borrow_and_update();
-            let fleet = (
-                self.nodes.fleet_bounds_for(&node_id),
-                self.nodes.fleet_rankings(),
-            );
+            let fleet = self.nodes.fleet_bounds_for(&node_id);
             if fleet != sent {
                 let response = WatchRoutingTableResponse {
-                    fleet_cache_bounds: fleet.0.clone(),
-                    fleet_key_rankings: fleet.1.clone(),
+                    fleet_cache_bounds: fleet.clone(),
                     ..Default::default()
                 };
                 if self.tx.send(Ok(response)).await.is_err() {
@@ -409,7 +374,7 @@ impl Session {
             version: table.version,
             nonce,
             routing_table: table.encoded.clone(),
-            ..Default::default()
+            fleet_cache_bounds: Vec::new(),
         };
         self.tx.send(Ok(response)).await.is_ok()
     }
@@ -437,7 +402,6 @@ impl Session {
             if let Some(status) = reply.status {
                 s.queues = status.queues;
                 s.cache_bounds = status.cache_bounds;
-                s.key_rankings = status.key_rankings;
             }
         });
         if answered.is_some() {

@@ -254,11 +254,6 @@ pub struct Homes {
     reused: ArcSwap<Vec<u64>>,
     /// The hot keys the last pass gave room for their copies (sorted).
     copied: ArcSwap<Vec<u64>>,
-    /// This router's own ranking of the reused keys, hottest first (what it reports to the
-    /// control plane; see [`crate::placement`]'s homes pass).
-    ranking: ArcSwap<Vec<u64>>,
-    /// The fleet's ranking, as the control plane last pushed it (empty: none).
-    fleet_ranking: ArcSwap<Vec<u64>>,
     /// The most reused keys an instance's cache was seen to hold (0: no instance overflowed).
     capacity: AtomicU32,
     /// Passes since an instance last overflowed.
@@ -320,8 +315,6 @@ impl Default for Homes {
             held: ArcSwap::from_pointee(Vec::new()),
             reused: ArcSwap::from_pointee(Vec::new()),
             copied: ArcSwap::from_pointee(Vec::new()),
-            ranking: ArcSwap::from_pointee(Vec::new()),
-            fleet_ranking: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
             adopted: AtomicBool::new(false),
@@ -434,29 +427,6 @@ impl Homes {
     pub fn store_reused(&self, keys: Vec<u64>) {
         debug_assert!(keys.windows(2).all(|w| w[0] < w[1]));
         self.reused.store(Arc::new(keys));
-    }
-
-    /// This router's own ranking of the reused keys its last pass counted, hottest first.
-    pub fn ranking(&self) -> Arc<Vec<u64>> {
-        self.ranking.load_full()
-    }
-
-    pub fn store_ranking(&self, keys: Vec<u64>) {
-        self.ranking.store(Arc::new(keys));
-    }
-
-    /// The ranking the control plane passed on for the fleet (empty: none), hottest first.
-    pub fn fleet_ranking(&self) -> Arc<Vec<u64>> {
-        self.fleet_ranking.load_full()
-    }
-
-    /// Stores the fleet's ranking; true when it changed.
-    pub fn store_fleet_ranking(&self, keys: Vec<u64>) -> bool {
-        if **self.fleet_ranking.load() == keys {
-            return false;
-        }
-        self.fleet_ranking.store(Arc::new(keys));
-        true
     }
 
     /// Reused keys an instance's cache holds, as learnt (`None` until one overflowed).
@@ -823,25 +793,6 @@ impl VariantLoad {
         }
         let homes = self.homes();
         if homes.store_fleet_bound(bound) && bound.is_some() && homes.capacity().is_none() {
-            self.feedback().request_pass();
-        }
-    }
-
-    /// This router's own ranking of the reused keys, if a homes pass ever ran (what it reports
-    /// for the fleet).
-    pub fn own_ranking(&self) -> Option<Arc<Vec<u64>>> {
-        self.homes.get().map(Homes::ranking)
-    }
-
-    /// Stores the fleet's ranking of the reused keys (one router's, the same for every router
-    /// of the control plane, see `crate::watch`); under a bound the next pass places by it, and
-    /// runs at the next request when it changed.
-    pub fn store_fleet_ranking(&self, keys: Vec<u64>) {
-        if keys.is_empty() && self.homes.get().is_none() {
-            return;
-        }
-        let homes = self.homes();
-        if homes.store_fleet_ranking(keys) && homes.capacity().is_some() {
             self.feedback().request_pass();
         }
     }

@@ -7,9 +7,7 @@
 //! changes, checked every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's
 //! evidence, not answered: the least cache bound per variant that the control plane's routers
 //! learnt ([`apply_fleet_bounds`]), which a router with none of its own takes at its next pass
-//! (see `placement::homes`), and the routers' rankings of each variant's reused keys merged
-//! ([`apply_fleet_rankings`]; each router reports its own), by which every router places them
-//! under a bound.
+//! (see `placement::homes`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
@@ -247,7 +245,6 @@ async fn watch_once(
                 let Some(response) = response? else { break };
                 if response.nonce.is_empty() && response.routing_table.is_empty() {
                     apply_fleet_bounds(router, &response.fleet_cache_bounds);
-                    apply_fleet_rankings(router, &response.fleet_key_rankings);
                     continue;
                 }
                 let (answer, applied) = apply(router, node_id, response);
@@ -292,7 +289,6 @@ fn status(router: &Router) -> proto::RouterStatus {
         return proto::RouterStatus::default();
     };
     let mut cache_bounds = Vec::new();
-    let mut key_rankings = Vec::new();
     for e in table.endpoints() {
         for v in e.variants() {
             if let Some(keys) = v.load().own_cache_bound() {
@@ -302,37 +298,11 @@ fn status(router: &Router) -> proto::RouterStatus {
                     keys,
                 });
             }
-            if let Some(ranking) = v.load().own_ranking().filter(|r| !r.is_empty()) {
-                key_rankings.push(proto::KeyRanking {
-                    endpoint_name: e.name().to_string(),
-                    variant_name: v.name().to_string(),
-                    keys: ranking.iter().take(proto::ranking::MAX_KEYS).copied().collect(),
-                });
-            }
         }
     }
     proto::RouterStatus {
         queues: crate::flow::endpoint_queues(table),
         cache_bounds,
-        key_rankings,
-    }
-}
-
-/// Stores the fleet's rankings in the variants of the table (a variant not listed has none).
-pub(crate) fn apply_fleet_rankings(router: &Router, rankings: &[proto::KeyRanking]) {
-    let table = router.table.load();
-    let Some(table) = table.as_deref() else {
-        return;
-    };
-    for e in table.endpoints() {
-        for v in e.variants() {
-            let keys = rankings
-                .iter()
-                .find(|r| r.endpoint_name == e.name() && r.variant_name == v.name())
-                .map(|r| r.keys.clone())
-                .unwrap_or_default();
-            v.load().store_fleet_ranking(keys);
-        }
     }
 }
 
@@ -544,52 +514,6 @@ mod tests {
         apply_fleet_bounds(&router, &[bound("v2", 5)]);
         assert!(v2.load().feedback().take_pass_due());
         assert_eq!(v2.load().homes().fleet_bound(), Some(5));
-    }
-
-    #[test]
-    fn a_router_reports_its_ranking_of_the_reused_keys_and_places_by_the_fleets() {
-        use crate::table::tests::{table, variant};
-        use proto::RoutingStrategy;
-        let config = crate::Config::default();
-        let router = Router::new(
-            &config,
-            crate::access::Access::load(&config).unwrap(),
-            crate::upstream::tls_connector(None).unwrap(),
-        );
-        let a = ["http://10.0.0.1:80", "http://10.0.0.2:80"];
-        let wire = table(
-            1,
-            "e",
-            vec![
-                variant("v1", RoutingStrategy::PrefixAware, &a),
-                variant("v2", RoutingStrategy::PrefixAware, &a),
-            ],
-        );
-        store(&router, RoutingTable::try_from(wire).unwrap());
-        let table = router.table.load_full().unwrap();
-        let e = table.endpoint("e").unwrap();
-        let (v1, v2) = (e.variant("v1").unwrap(), e.variant("v2").unwrap());
-        assert!(status(&router).key_rankings.is_empty(), "no pass yet");
-        // v1's pass ranked 100 keys: the hottest 64 are reported, in order
-        v1.load().homes().store_ranking((1..=100).rev().collect());
-        let ranking = |variant: &str, keys: Vec<u64>| proto::KeyRanking {
-            endpoint_name: "e".into(),
-            variant_name: variant.into(),
-            keys,
-        };
-        assert_eq!(
-            status(&router).key_rankings,
-            vec![ranking("v1", (37..=100).rev().collect())]
-        );
-        // the fleet's: v1's is stored; under a bound a new one runs the pass at the next request
-        v1.load().homes().store_capacity(Some(2), 0);
-        v2.load().store_fleet_ranking(vec![9]);
-        apply_fleet_rankings(&router, &[ranking("v1", vec![5, 6]), ranking("x", vec![1])]);
-        assert_eq!(*v1.load().homes().fleet_ranking(), vec![5, 6]);
-        assert!(v2.load().homes().fleet_ranking().is_empty(), "not listed");
-        assert!(v1.load().feedback().take_pass_due());
-        apply_fleet_rankings(&router, &[ranking("v1", vec![5, 6])]);
-        assert!(!v1.load().feedback().take_pass_due(), "unchanged");
     }
 
     proptest::proptest! {

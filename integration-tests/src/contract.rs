@@ -179,11 +179,17 @@ impl Watcher {
                 },
             )
             .collect();
-        self.send_status(proto::RouterStatus {
-            queues,
-            ..Default::default()
-        })
-        .await;
+        self.tx
+            .send(WatchRoutingTableRequest {
+                node_id: self.node_id.clone(),
+                status: Some(proto::RouterStatus {
+                    queues,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
     }
 
     /// A status report of the cache bounds the router learnt: `(endpoint, variant, keys)`.
@@ -196,35 +202,13 @@ impl Watcher {
                 keys,
             })
             .collect();
-        self.send_status(proto::RouterStatus {
-            cache_bounds,
-            ..Default::default()
-        })
-        .await;
-    }
-
-    /// A status report of the router's rankings of reused keys: `(endpoint, variant, keys)`.
-    async fn report_rankings(&self, rankings: &[(&str, &str, &[u64])]) {
-        let key_rankings = rankings
-            .iter()
-            .map(|&(endpoint, variant, keys)| proto::KeyRanking {
-                endpoint_name: endpoint.into(),
-                variant_name: variant.into(),
-                keys: keys.to_vec(),
-            })
-            .collect();
-        self.send_status(proto::RouterStatus {
-            key_rankings,
-            ..Default::default()
-        })
-        .await;
-    }
-
-    async fn send_status(&self, status: proto::RouterStatus) {
         self.tx
             .send(WatchRoutingTableRequest {
                 node_id: self.node_id.clone(),
-                status: Some(status),
+                status: Some(proto::RouterStatus {
+                    cache_bounds,
+                    ..Default::default()
+                }),
                 ..Default::default()
             })
             .await
@@ -234,27 +218,6 @@ impl Watcher {
     /// The next response, which must be the fleet's bounds (no nonce, no table):
     /// `(endpoint, variant, keys)`.
     async fn next_fleet_bounds(&mut self) -> Vec<(String, String, u32)> {
-        self.next_fleet()
-            .await
-            .fleet_cache_bounds
-            .into_iter()
-            .map(|b| (b.endpoint_name, b.variant_name, b.keys))
-            .collect()
-    }
-
-    /// The next response, which must be the fleet's evidence; its rankings:
-    /// `(endpoint, variant, keys)`.
-    async fn next_fleet_rankings(&mut self) -> Vec<(String, String, Vec<u64>)> {
-        self.next_fleet()
-            .await
-            .fleet_key_rankings
-            .into_iter()
-            .map(|r| (r.endpoint_name, r.variant_name, r.keys))
-            .collect()
-    }
-
-    /// The next response, which must be the fleet's evidence (no nonce, no table).
-    async fn next_fleet(&mut self) -> WatchRoutingTableResponse {
         let resp = tokio::time::timeout(Duration::from_secs(10), self.rx.next())
             .await
             .expect("a response within 10 s")
@@ -262,9 +225,12 @@ impl Watcher {
             .expect("no stream error");
         assert!(
             resp.nonce.is_empty() && resp.routing_table.is_empty(),
-            "not the fleet's evidence: {resp:?}"
+            "not the fleet's bounds: {resp:?}"
         );
-        resp
+        resp.fleet_cache_bounds
+            .into_iter()
+            .map(|b| (b.endpoint_name, b.variant_name, b.keys))
+            .collect()
     }
 
     async fn reply(&self, resp: &WatchRoutingTableResponse, error: &str) {
@@ -944,39 +910,6 @@ pub async fn learnt_cache_bounds_reach_every_router_as_the_least_per_variant(bac
     cp.stop().await.unwrap();
 }
 
-pub async fn the_routers_rankings_reach_every_router_merged(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
-    endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
-    let mut w1 = Watcher::connect(&cp.url, "router-1", 0).await;
-    let mut w2 = Watcher::connect(&cp.url, "router-2", 0).await;
-    let (r1, _) = w1.next().await;
-    let (r2, _) = w2.next().await;
-    w1.reply(&r1, "").await;
-    w2.reply(&r2, "").await;
-    let ranking = |v: &str, keys: &[u64]| ("ep".to_string(), v.to_string(), keys.to_vec());
-    // router-2 ranks v1's reused keys: every router places by it, router-2 too
-    w2.report_rankings(&[("ep", "v1", &[7, 8, 9])]).await;
-    let alone = vec![ranking("v1", &[7, 8, 9])];
-    assert_eq!(w1.next_fleet_rankings().await, alone);
-    assert_eq!(w2.next_fleet_rankings().await, alone);
-    // router-1 ranks them otherwise: both get them by the sum of their positions (7: 0 + 2,
-    // 9: 2 + 0, then 6, which router-2 does not list: 3 + 1, and 8: 1 + 3; equal sums by key),
-    // and v2's from router-1 alone
-    w1.report_rankings(&[("ep", "v1", &[9, 6, 7, 8]), ("ep", "v2", &[3])])
-        .await;
-    let merged = vec![ranking("v1", &[7, 9, 6, 8]), ranking("v2", &[3])];
-    assert_eq!(w1.next_fleet_rankings().await, merged);
-    assert_eq!(w2.next_fleet_rankings().await, merged);
-    // router-1 gone: router-2's alone again
-    drop(w1);
-    assert_eq!(w2.next_fleet_rankings().await, alone);
-    cp.stop().await.unwrap();
-}
-
 pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     let cp =
@@ -1200,7 +1133,7 @@ reflection_client!(reflection_v1alpha, tonic_reflection::pb::v1alpha);
 #[macro_export]
 macro_rules! contract_suite {
     ($run:path) => {
-        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, the_routers_rankings_reach_every_router_merged, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
+        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
     };
     (@cases $run:path; $($name:ident),* $(,)?) => {
         $(

@@ -102,9 +102,9 @@
 //! are held to the engines' reports like plain hashing's (until a bound is known, relief moves
 //! keys off a home whose cache still overflows).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
-use super::rendezvous::{ranking, rendezvous_top, RendezvousWalk};
+use super::rendezvous::{rendezvous_top, RendezvousWalk};
 use super::Tuning;
 use crate::feedback::Rule;
 use crate::load::{now_ms, Home};
@@ -143,23 +143,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     // that clear the bars rarely does).
     keys.sort_unstable_by_key(|&(_, k)| k);
     keys.dedup_by_key(|&mut (_, k)| k);
-    homes.store_ranking(rank(&keys, &homes.ranking(), total, t.rank_confidence));
     let (cap, probe) = learn_capacity(v, keys.len(), t);
-    // Under a bound, by the fleet's ranking when the control plane passed one on: its keys
-    // hottest first, then this router's others in key order.
-    let fleet = homes.fleet_ranking();
-    let ranked = cap.is_some() && !fleet.is_empty();
-    if ranked {
-        let own: HashMap<u64, f64> = keys.iter().map(|&(s, k)| (k, s)).collect();
-        let mut listed = HashSet::with_capacity(fleet.len());
-        let mut ordered: Vec<(f64, u64)> = fleet
-            .iter()
-            .filter(|&&k| k != 0 && listed.insert(k))
-            .map(|&k| (own.get(&k).copied().unwrap_or(0.0), k))
-            .collect();
-        ordered.extend(keys.iter().filter(|(_, k)| !listed.contains(k)));
-        keys = ordered;
-    }
     let room = |held: &[u32], i: usize| cap.is_none_or(|c| held[i] < c);
     // what copies may fill: the bound, else the probe's level
     let copy_cap = cap.or(probe);
@@ -182,15 +166,12 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     if let Some(c) = copy_cap {
         let mut spare = (c as usize * n).saturating_sub(keys.len());
         let mut hottest: Vec<usize> = (0..keys.len()).filter(|&i| wanted[i] > 1).collect();
-        // (by rank where the fleet's ranking orders the keys: the same on every router)
-        if !ranked {
-            hottest.sort_unstable_by(|&a, &b| {
-                keys[b]
-                    .0
-                    .total_cmp(&keys[a].0)
-                    .then(keys[a].1.cmp(&keys[b].1))
-            });
-        }
+        hottest.sort_unstable_by(|&a, &b| {
+            keys[b]
+                .0
+                .total_cmp(&keys[a].0)
+                .then(keys[a].1.cmp(&keys[b].1))
+        });
         for i in hottest {
             copies[i] = wanted[i] - 1 <= spare;
             if copies[i] {
@@ -203,11 +184,8 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
     let mut out = Vec::new();
     let mut copied = Vec::new();
     let mut first = Vec::with_capacity(t.home_choices.max(1));
-    // by rank: each instance's load, a key at rank i weighing 1 / (i + 1)
-    let mut weight = vec![0f64; n];
     for (i, &(_, key)) in keys.iter().enumerate() {
         let r = wanted[i];
-        let w = 1.0 / (i + 1) as f64;
         let (top, score) = rendezvous_top(hashes, key);
         let mut walk = RendezvousWalk::new(hashes, key, top, score);
         let home = |index: usize| Home {
@@ -221,10 +199,7 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
             first.extend(RendezvousWalk::new(hashes, key, top, score).take(r - 1));
             if first.iter().all(|&j| copy_room(&held, j)) {
                 // spread over replicas: it takes room in each
-                for &j in &first {
-                    held[j] += 1;
-                    weight[j] += w / r as f64;
-                }
+                first.iter().for_each(|&i| held[i] += 1);
                 copied.push(key);
                 continue;
             }
@@ -234,22 +209,6 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         // whose estimates differed disagreed), and gets a home even on its top choice, so that
         // placement does not spread it.
         let pin = r > 1;
-        if ranked {
-            // the least loaded instance with room, the first of the key's rendezvous ranking
-            // among equals (the hottest keys land apart, the next ones beside the lightest)
-            let lightest = |room_only: bool| {
-                ranking(hashes, key)
-                    .filter(|&j| !room_only || room(&held, j))
-                    .min_by(|&a, &b| weight[a].total_cmp(&weight[b]))
-            };
-            let to = lightest(true).or_else(|| lightest(false)).unwrap_or(top);
-            held[to] += 1;
-            weight[to] += w;
-            if to != top || pin {
-                out.push(home(to));
-            }
-            continue;
-        }
         // A home is kept while it is no more crowded than the top choice (moving back would
         // be a move too), unless the caches are known to be full: the pass is then a function
         // of the reused keys and the bound alone, as replicas must agree where each
@@ -298,49 +257,12 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
         ?cap,
         ?probe,
         spread,
-        ranked,
         "homes assigned"
     );
     homes.store_held(hashes.iter().copied().zip(held).collect());
-    let mut reused: Vec<u64> = keys.iter().map(|&(_, k)| k).collect();
-    reused.sort_unstable();
-    homes.store_reused(reused);
+    homes.store_reused(keys.iter().map(|&(_, k)| k).collect());
     homes.store_copied(copied);
     homes.store(out);
-}
-
-/// This router's ranking of the reused `keys` (share, key), hottest first: the `previous`
-/// ranking's order for the keys still counted, new keys after them by share, and a key moves
-/// above another only when its share is higher by more than `z` standard errors of the
-/// difference in a window of `requests` (shares estimated from a sample of the traffic swap
-/// keys of near shares from pass to pass, and under a bound every swap of the fleet's ranking
-/// moves keys on every router; a fixed margin instead kept the order of a router's first,
-/// smallest sample where shares differed by less, and the busiest instance took more).
-pub(super) fn rank(keys: &[(f64, u64)], previous: &[u64], requests: f64, z: f64) -> Vec<u64> {
-    let share: HashMap<u64, f64> = keys.iter().map(|&(s, k)| (k, s)).collect();
-    let mut order: Vec<(f64, u64)> = previous
-        .iter()
-        .filter_map(|k| share.get(k).map(|&s| (s, *k)))
-        .collect();
-    let before: HashSet<u64> = order.iter().map(|&(_, k)| k).collect();
-    let mut fresh: Vec<(f64, u64)> = keys
-        .iter()
-        .filter(|(_, k)| !before.contains(k))
-        .copied()
-        .collect();
-    fresh.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    order.extend(fresh);
-    for i in 1..order.len() {
-        let mut j = i;
-        while j > 0 && {
-            let (above, below) = (order[j - 1].0, order[j].0);
-            below - above > z * ((above + below) / requests.max(1.0)).sqrt()
-        } {
-            order.swap(j, j - 1);
-            j -= 1;
-        }
-    }
-    order.into_iter().map(|(_, k)| k).collect()
 }
 
 /// The most reused keys a pass may give one instance (`None`: no bound), from what the engines'

@@ -896,9 +896,7 @@ fn serve_by(
 
 /// [`serve_by`], and with `shared` the routers' own cache bounds reach each other after every
 /// request, as the control plane passes them on (to each router the least of the others',
-/// `control-plane`'s `NodeRegistry::fleet_bounds_for`), and so does the first router's ranking
-/// of the reused keys (that of the least node id, `NodeRegistry::fleet_rankings`), to every
-/// router, itself included.
+/// `control-plane`'s `NodeRegistry::fleet_bounds_for`).
 fn serve_through(
     routers: &[(&Placement, &RoutingTable)],
     stream: &[usize],
@@ -954,17 +952,6 @@ fn serve_through(
                 let others = own.iter().enumerate().filter(|&(o, _)| o != j);
                 let least = others.filter_map(|(_, &c)| c).min();
                 variant_of(t).load().store_fleet_bound(least);
-            }
-            let own: Vec<_> = routers
-                .iter()
-                .filter_map(|(_, t)| variant_of(t).load().own_ranking())
-                .collect();
-            let ranking = proto::ranking::merge(
-                own.iter()
-                    .map(|r| &r[..r.len().min(proto::ranking::MAX_KEYS)]),
-            );
-            for (_, t) in routers {
-                variant_of(t).load().store_fleet_ranking(ranking.clone());
             }
         }
         if i >= skip {
@@ -1799,63 +1786,4 @@ fn four_routers_that_share_their_learnt_bounds_agree_as_soon_as_one_has_learnt()
     }
     let mean = hits.iter().sum::<f64>() / hits.len() as f64;
     assert!(mean >= 0.93, "mean hit {mean}: {hits:?}");
-}
-
-#[test]
-fn under_a_bound_routers_that_share_a_ranking_place_the_hottest_documents_apart() {
-    // Caches that hold 2 of 8 documents (Zipf 0.8: the hottest has 31% of the requests, the
-    // coldest 6%) on 4 instances: every instance holds two documents, and which two decides how
-    // busy the busiest is. The least it can be is the hottest beside the coldest (the next
-    // hottest beside the next coldest, and so on), counted on requests 1,500-3,000. In key
-    // order the busiest took up to 4.0 points more than that least, 1.4 more on the mean of 8
-    // fleets (on 4 llama-servers, 4-11 points); placed by the routers' rankings merged, as the
-    // control plane passes them on, at most 1.1 points more and 0.3 on the mean, with 1 router
-    // or 4.
-    for routers in [1, 4] {
-        let mut overs = Vec::new();
-        for fleet in 0..8 {
-            let tables: Vec<RoutingTable> = (0..routers).map(|_| fleet_table(fleet, 4)).collect();
-            let placements: Vec<Placement> = (0..routers)
-                .map(|_| Placement::new(1000, DEFAULT_BALANCE_PERCENT, None))
-                .collect();
-            let pairs: Vec<(&Placement, &RoutingTable)> = placements.iter().zip(&tables).collect();
-            let stream = zipf_stream(8, 3_000, fleet as u64);
-            let served = serve_through(&pairs, &stream, user_document, 2, 1_500, 0, true);
-            let mut count = vec![0usize; 8];
-            stream[1_500..].iter().for_each(|&d| count[d] += 1);
-            count.sort_unstable_by(|a, b| b.cmp(a));
-            let least = (0..4).map(|i| count[i] + count[7 - i]).max().unwrap();
-            let busiest = *served.requests.iter().max().unwrap();
-            let over = (busiest as f64 - least as f64) / 1_500.0;
-            overs.push(over);
-            assert!(
-                over <= 0.015 && served.hit_rate >= 0.95,
-                "{routers} routers, fleet {fleet}: busiest {busiest} of 1,500 requests, {over:.3} over \
-                 the least; hit {}; {:?}",
-                served.hit_rate,
-                served.requests
-            );
-        }
-        let mean = overs.iter().sum::<f64>() / overs.len() as f64;
-        assert!(mean <= 0.005, "{routers} routers: {overs:?}");
-    }
-}
-
-#[test]
-fn a_ranking_keeps_its_order_until_a_key_clearly_passes_the_one_above() {
-    use super::homes::rank;
-    let z = Tuning::default().rank_confidence;
-    // the first ranking: by share
-    let keys = [(0.10, 1), (0.30, 2), (0.20, 3)];
-    let first = rank(&keys, &[], 1_000.0, z);
-    assert_eq!(first, vec![2, 3, 1]);
-    // estimates of near shares swap: the order stands (each swap would move keys fleet-wide)
-    let near = [(0.22, 1), (0.30, 2), (0.19, 3)];
-    assert_eq!(rank(&near, &first, 1_000.0, z), vec![2, 3, 1]);
-    // the same difference in a larger sample is clear
-    assert_eq!(rank(&near, &first, 10_000.0, z), vec![2, 1, 3]);
-    // a key whose share is clearly above another's passes it; a new key goes by its share,
-    // and a key no longer counted leaves
-    let moved = [(0.40, 1), (0.30, 2), (0.25, 4)];
-    assert_eq!(rank(&moved, &first, 1_000.0, z), vec![1, 2, 4]);
 }

@@ -67,9 +67,6 @@ pub struct Tuning {
     /// only every 256 or more requests).
     pub home_interval_ms: u64,
     pub home_interval_requests: u64,
-    /// A reused key passes another in this router's ranking (which the fleet places by under
-    /// a bound) only once its share is higher by more than this many standard errors.
-    pub rank_confidence: f64,
     /// When the engines' reports close a rule (see [`crate::feedback`]).
     pub feedback: FeedbackTuning,
 }
@@ -103,7 +100,6 @@ impl Default for Tuning {
             home_early: [64, 256],
             home_interval_ms: 15_000,
             home_interval_requests: 64,
-            rank_confidence: 2.0,
             feedback: FeedbackTuning::default(),
         }
     }
