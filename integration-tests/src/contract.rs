@@ -179,17 +179,11 @@ impl Watcher {
                 },
             )
             .collect();
-        self.tx
-            .send(WatchRoutingTableRequest {
-                node_id: self.node_id.clone(),
-                status: Some(proto::RouterStatus {
-                    queues,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        self.send_status(proto::RouterStatus {
+            queues,
+            ..Default::default()
+        })
+        .await;
     }
 
     /// A status report of the cache bounds the router learnt: `(endpoint, variant, keys)`.
@@ -202,13 +196,19 @@ impl Watcher {
                 keys,
             })
             .collect();
+        self.send_status(proto::RouterStatus {
+            cache_bounds,
+            ..Default::default()
+        })
+        .await;
+    }
+
+    /// A status report on the stream (a message that answers no push).
+    async fn send_status(&self, status: proto::RouterStatus) {
         self.tx
             .send(WatchRoutingTableRequest {
                 node_id: self.node_id.clone(),
-                status: Some(proto::RouterStatus {
-                    cache_bounds,
-                    ..Default::default()
-                }),
+                status: Some(status),
                 ..Default::default()
             })
             .await
