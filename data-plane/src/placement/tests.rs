@@ -1189,6 +1189,15 @@ fn fleet_table(fleet: usize, n: usize) -> RoutingTable {
     prefix_aware_table_at(&a)
 }
 
+/// `n` fresh routers at the default tuning, each with its own table of fleet `fleet`'s 4
+/// instances (pair them up for [`serve_by`]).
+fn fresh_routers(n: usize, fleet: usize) -> (Vec<Placement>, Vec<RoutingTable>) {
+    let placements = (0..n)
+        .map(|_| Placement::new(1000, DEFAULT_BALANCE_PERCENT, None))
+        .collect();
+    (placements, (0..n).map(|_| fleet_table(fleet, 4)).collect())
+}
+
 /// Documents per instance (served there after the warm-up).
 fn documents_per_instance(served: &Served, n: usize) -> Vec<usize> {
     let mut per = vec![0usize; n];
@@ -1251,10 +1260,7 @@ fn routers_that_each_see_part_of_the_traffic_agree_on_homes() {
     // eviction): they reach the hit of one router, and each learns the same bound from the
     // engines' reports and keeps the same homes.
     for fleet in [2, 5, 6] {
-        let tables: Vec<RoutingTable> = (0..4).map(|_| fleet_table(fleet, 4)).collect();
-        let placements: Vec<Placement> = (0..4)
-            .map(|_| Placement::new(1000, DEFAULT_BALANCE_PERCENT, None))
-            .collect();
+        let (placements, tables) = fresh_routers(4, fleet);
         let routers: Vec<(&Placement, &RoutingTable)> = placements.iter().zip(&tables).collect();
         let stream = zipf_stream(8, 8_000, 1);
         let served = serve_by(&routers, &stream, user_document, 2, 4_000, 0);
@@ -1553,10 +1559,7 @@ fn fresh_routers_give_hot_documents_only_the_places_their_load_needs_until_the_e
             ("system", system_document as fn(usize, usize) -> Vec<u8>),
             ("user", user_document),
         ] {
-            let tables: Vec<RoutingTable> = (0..4).map(|_| fleet_table(fleet, 4)).collect();
-            let placements: Vec<Placement> = (0..4)
-                .map(|_| Placement::new(1000, DEFAULT_BALANCE_PERCENT, None))
-                .collect();
+            let (placements, tables) = fresh_routers(4, fleet);
             let routers: Vec<(&Placement, &RoutingTable)> =
                 placements.iter().zip(&tables).collect();
             let stream = zipf_stream(8, 3_000, 1);
@@ -1761,10 +1764,7 @@ fn four_routers_that_share_their_learnt_bounds_agree_as_soon_as_one_has_learnt()
             ("system", system_document as fn(usize, usize) -> Vec<u8>),
             ("user", user_document),
         ] {
-            let tables: Vec<RoutingTable> = (0..4).map(|_| fleet_table(fleet, 4)).collect();
-            let placements: Vec<Placement> = (0..4)
-                .map(|_| Placement::new(1000, DEFAULT_BALANCE_PERCENT, None))
-                .collect();
+            let (placements, tables) = fresh_routers(4, fleet);
             let routers: Vec<(&Placement, &RoutingTable)> =
                 placements.iter().zip(&tables).collect();
             let stream = zipf_stream(8, 800, fleet as u64);
