@@ -777,11 +777,13 @@ impl AutoscaleRun {
             },
         ];
         let window = self.every * 6;
+        let join = moved_keys(samples, added_at, window, None);
         Ok(AutoscaleReport {
-            added_instance: added_url,
+            added_instance: added_url.clone(),
             removed_instance: removed_url.clone(),
-            keys_moved_on_join: moved_keys(samples, added_at, window, None),
-            keys_moved_on_leave: moved_keys(samples, removed_at, window, Some(&removed_url)),
+            keys_moved_on_join: join.all,
+            keys_moved_on_join_elsewhere: join.not_to(&added_url),
+            keys_moved_on_leave: moved_keys(samples, removed_at, window, Some(&removed_url)).all,
             recovered_after_join_s: recovered.map(|d| d.as_secs_f64()),
             phases,
             hit_rate_series: self
@@ -799,7 +801,12 @@ impl AutoscaleRun {
 /// counting that too added the hot keys' share of the keys to every strategy's figure. On a
 /// leave, keys that lived on the removed instance must move and are left out: the question is
 /// how many others moved.
-fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option<&str>) -> f64 {
+fn moved_keys<'a>(
+    samples: &'a [Sample],
+    at: Instant,
+    window: Duration,
+    removed: Option<&str>,
+) -> Moved<'a> {
     let served = |from: Instant, to: Instant| {
         let mut counts: HashMap<u64, HashMap<&str, u32>> = HashMap::new();
         for s in samples
@@ -822,7 +829,7 @@ fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option
     let settle = window / 6;
     let after = served(at + settle, at + settle + window);
     let mut total = 0;
-    let mut moved = 0;
+    let mut to = Vec::new();
     for (k, b) in &before {
         if main(b).is_some_and(|i| removed == Some(i)) {
             continue;
@@ -830,14 +837,33 @@ fn moved_keys(samples: &[Sample], at: Instant, window: Duration, removed: Option
         if let Some(a) = after.get(k).and_then(main) {
             total += 1;
             if !b.contains_key(a) {
-                moved += 1;
+                to.push(a);
             }
         }
     }
-    if total == 0 {
-        0.0
-    } else {
-        moved as f64 / total as f64
+    let share = |n: usize| if total == 0 { 0.0 } else { n as f64 / total as f64 };
+    Moved {
+        all: share(to.len()),
+        elsewhere: to.into_iter().map(|a| (a, share(1))).collect(),
+    }
+}
+
+/// What [`moved_keys`] found: the share of the keys that moved, and each moved key's new
+/// instance (with the key's share, to sum).
+struct Moved<'a> {
+    all: f64,
+    elsewhere: Vec<(&'a str, f64)>,
+}
+
+impl Moved<'_> {
+    /// The share of the keys that moved to an instance other than `instance` (on a join, the
+    /// new one: hashing sends about 1/(n+1) of the keys there, and every other move is the
+    /// router's own).
+    fn not_to(&self, instance: &str) -> f64 {
+        self.elsewhere
+            .iter()
+            .filter(|(a, _)| *a != instance)
+            .fold(0.0, |sum, (_, s)| sum + s)
     }
 }
 
@@ -1015,9 +1041,12 @@ mod tests {
         }
         let window = Duration::from_secs(6);
         // keys 1, 2, 3 and 4: only 1 (and 4, whose instance is not gone here) found a cold one
-        assert_eq!(moved_keys(&samples, at, window, None), 0.5);
+        let join = moved_keys(&samples, at, window, None);
+        assert_eq!(join.all, 0.5);
+        // of them, key 4 went to an instance that was there before: not the join's doing
+        assert_eq!(join.not_to("new"), 0.25);
         // when d leaves, its key must move and is left out
-        assert_eq!(moved_keys(&samples, at, window, Some("d")), 1.0 / 3.0);
+        assert_eq!(moved_keys(&samples, at, window, Some("d")).all, 1.0 / 3.0);
     }
 
     #[test]
