@@ -781,9 +781,9 @@ impl AutoscaleRun {
         Ok(AutoscaleReport {
             added_instance: added_url.clone(),
             removed_instance: removed_url.clone(),
-            keys_moved_on_join: join.all,
+            keys_moved_on_join: join.all(),
             keys_moved_on_join_elsewhere: join.not_to(&added_url),
-            keys_moved_on_leave: moved_keys(samples, removed_at, window, Some(&removed_url)).all,
+            keys_moved_on_leave: moved_keys(samples, removed_at, window, Some(&removed_url)).all(),
             recovered_after_join_s: recovered.map(|d| d.as_secs_f64()),
             phases,
             hit_rate_series: self
@@ -841,29 +841,35 @@ fn moved_keys<'a>(
             }
         }
     }
-    let share = |n: usize| if total == 0 { 0.0 } else { n as f64 / total as f64 };
-    Moved {
-        all: share(to.len()),
-        elsewhere: to.into_iter().map(|a| (a, share(1))).collect(),
-    }
+    Moved { total, to }
 }
 
-/// What [`moved_keys`] found: the share of the keys that moved, and each moved key's new
-/// instance (with the key's share, to sum).
+/// What [`moved_keys`] found: how many keys it judged, and the new main instance of each that
+/// moved.
 struct Moved<'a> {
-    all: f64,
-    elsewhere: Vec<(&'a str, f64)>,
+    total: usize,
+    to: Vec<&'a str>,
 }
 
 impl Moved<'_> {
+    /// The share of the keys that moved.
+    fn all(&self) -> f64 {
+        self.share(self.to.len())
+    }
+
     /// The share of the keys that moved to an instance other than `instance` (on a join, the
     /// new one: hashing sends about 1/(n+1) of the keys there, and every other move is the
     /// router's own).
     fn not_to(&self, instance: &str) -> f64 {
-        self.elsewhere
-            .iter()
-            .filter(|(a, _)| *a != instance)
-            .fold(0.0, |sum, (_, s)| sum + s)
+        self.share(self.to.iter().filter(|&&a| a != instance).count())
+    }
+
+    fn share(&self, n: usize) -> f64 {
+        if self.total == 0 {
+            0.0
+        } else {
+            n as f64 / self.total as f64
+        }
     }
 }
 
@@ -1042,11 +1048,11 @@ mod tests {
         let window = Duration::from_secs(6);
         // keys 1, 2, 3 and 4: only 1 (and 4, whose instance is not gone here) found a cold one
         let join = moved_keys(&samples, at, window, None);
-        assert_eq!(join.all, 0.5);
+        assert_eq!(join.all(), 0.5);
         // of them, key 4 went to an instance that was there before: not the join's doing
         assert_eq!(join.not_to("new"), 0.25);
         // when d leaves, its key must move and is left out
-        assert_eq!(moved_keys(&samples, at, window, Some("d")).all, 1.0 / 3.0);
+        assert_eq!(moved_keys(&samples, at, window, Some("d")).all(), 1.0 / 3.0);
     }
 
     #[test]
