@@ -825,6 +825,28 @@ impl InFlight {
             variant: variant.clone(),
         }
     }
+
+    /// [`InFlight::start`] if the instance has fewer than `limit` requests in flight and the
+    /// variant fewer than `variant_cap` (if any), counted as it takes the place: two requests
+    /// that checked the counts first and then took places both took the last one (on two
+    /// worker threads, a sheddable request took the place kept for critical ones). A place
+    /// taken and given back is released as any other, so that a waiter that saw it taken is
+    /// woken.
+    pub fn try_start(
+        instance: &Arc<InstanceState>,
+        variant: &Arc<VariantLoad>,
+        limit: u64,
+        variant_cap: Option<u64>,
+    ) -> Option<Self> {
+        let before = instance.outstanding.fetch_add(1, Relaxed);
+        let variant_before = variant.outstanding.fetch_add(1, Relaxed);
+        let place = InFlight {
+            instance: instance.clone(),
+            variant: variant.clone(),
+        };
+        let over = before >= limit || variant_cap.is_some_and(|cap| variant_before >= cap);
+        (!over).then_some(place)
+    }
 }
 
 impl Drop for InFlight {
@@ -879,6 +901,41 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!((i.outstanding(), v.outstanding()), (0, 0));
+    }
+
+    #[test]
+    fn a_place_is_taken_as_it_is_counted_so_the_last_one_goes_to_one_request() {
+        let (i, j) = (
+            Arc::new(InstanceState::default()),
+            Arc::new(InstanceState::default()),
+        );
+        let v = Arc::new(VariantLoad::default());
+        // an instance that runs one request: the second asking for it gets none, and its try
+        // leaves the counts as they were
+        let a = InFlight::try_start(&i, &v, 1, None).expect("a free instance");
+        assert!(InFlight::try_start(&i, &v, 1, None).is_none());
+        assert_eq!((i.outstanding(), v.outstanding()), (1, 1));
+        // the variant's cap holds across its instances
+        assert!(InFlight::try_start(&j, &v, 1, Some(1)).is_none());
+        let b = InFlight::try_start(&j, &v, 1, Some(2)).expect("under the cap");
+        assert_eq!(v.outstanding(), 2);
+        drop((a, b));
+        // many threads after 3 places: exactly 3 get one
+        let taken: Vec<bool> = std::thread::scope(|s| {
+            let tries: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        let place = InFlight::try_start(&i, &v, 3, None);
+                        let got = place.is_some();
+                        std::mem::forget(place); // held until the count below
+                        got
+                    })
+                })
+                .collect();
+            tries.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert_eq!(taken.iter().filter(|&&t| t).count(), 3);
+        assert_eq!(i.outstanding(), 3);
     }
 
     #[test]

@@ -135,11 +135,17 @@ impl FlowControl {
     /// for standard and critical requests where the per-instance quarter rounds to none: four
     /// engines that run one request each keep one engine for them.
     pub fn variant_room(&self, v: &Variant, priority: Priority) -> bool {
-        if priority != Priority::Sheddable {
-            return true;
-        }
-        let places = v.instances().len() as u64 * self.variant_limit(v, Priority::Critical);
-        v.load().outstanding() < places - places / 4
+        self.variant_cap(v, priority)
+            .is_none_or(|cap| v.load().outstanding() < cap)
+    }
+
+    /// The most requests of `priority` `v` may have in flight from this router as a whole (see
+    /// [`FlowControl::variant_room`]; `None`: no cap but the instances' own).
+    pub fn variant_cap(&self, v: &Variant, priority: Priority) -> Option<u64> {
+        (priority == Priority::Sheddable).then(|| {
+            let places = v.instances().len() as u64 * self.variant_limit(v, Priority::Critical);
+            places - places / 4
+        })
     }
 
     /// `new` now serves in place of `old`: each of its variants' waiters may take a place it adds

@@ -72,9 +72,9 @@ pub(crate) struct Router {
 
 /// How flow control let a request through.
 enum Waited {
-    /// To the route's instance (which may have moved to a free one): `Some(when it began to
-    /// wait)` if it waited.
-    Placed(Option<std::time::Instant>),
+    /// To the route's instance (which may have moved to a free one), whose place it holds:
+    /// `Some(when it began to wait)` if it waited.
+    Placed(Option<std::time::Instant>, InFlight),
     /// Woken under a table no longer served: route again by this one (waiting since then).
     NewTable(Arc<RoutingTable>, std::time::Instant),
 }
@@ -371,7 +371,7 @@ impl Router {
         let mut table = table;
         let mut requeued = None;
         let mut route;
-        let queued = loop {
+        let (queued, in_flight) = loop {
             route = match self.placement.route(&table, &request) {
                 Ok(route) => route,
                 Err(e) => {
@@ -389,7 +389,8 @@ impl Router {
                     .observe(started.elapsed());
             }
             if !self.flow.enabled() {
-                break None;
+                let state = route.variant.instances()[route.instance].state();
+                break (None, InFlight::start(state, route.variant.load()));
             }
             match self
                 .wait_for_instance(
@@ -402,7 +403,7 @@ impl Router {
                 )
                 .await
             {
-                Ok(Waited::Placed(queued)) => break queued,
+                Ok(Waited::Placed(queued, place)) => break (queued, place),
                 Ok(Waited::NewTable(next, since)) => {
                     requeued = Some(since);
                     table = next;
@@ -415,10 +416,6 @@ impl Router {
                 }
             }
         };
-        let in_flight = InFlight::start(
-            route.variant.instances()[route.instance].state(),
-            route.variant.load(),
-        );
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
         }
@@ -495,14 +492,17 @@ impl Router {
         let queue = v.load().flow();
         // the variant's own share (sheddable: a quarter of all its places kept for the others)
         let room = || self.flow.variant_room(v, priority);
+        let cap = self.flow.variant_cap(v, priority);
         let free = |i: usize| v.instances()[i].state().outstanding() < limit;
-        // what move_to_free would take (a free but ejected instance is no reason to wake anyone)
+        // what take_free would take (a free but ejected instance is no reason to wake anyone)
         let usable = |i: usize| room() && free(i) && !v.instances()[i].state().is_ejected(now_ms());
-        if queue.is_empty() && room() && (free(route.instance) || self.move_to_free(route, limit)) {
-            if let Some(start) = requeued {
-                self.metrics.flow.wait.observe(start.elapsed());
+        if queue.is_empty() {
+            if let Some(place) = self.take_place(route, limit, cap) {
+                if let Some(start) = requeued {
+                    self.metrics.flow.wait.observe(start.elapsed());
+                }
+                return Ok(Waited::Placed(requeued, place));
             }
-            return Ok(Waited::Placed(requeued));
         }
         let who = Who::of(headers, key, v.default_priority()).map_err(bad)?;
         let start = requeued.unwrap_or_else(std::time::Instant::now);
@@ -559,9 +559,9 @@ impl Router {
             {
                 return Ok(Waited::NewTable(next, start));
             }
-            if room() && (free(route.instance) || self.move_to_free(route, limit)) {
+            if let Some(place) = self.take_place(route, limit, cap) {
                 self.metrics.flow.wait.observe(start.elapsed());
-                return Ok(Waited::Placed(Some(start)));
+                return Ok(Waited::Placed(Some(start), place));
             }
             // another request took the place first: back to the front
             front = true;
@@ -574,24 +574,46 @@ impl Router {
         })
     }
 
-    /// Moves `route` to the first instance below `limit` (PREFIX_AWARE: in the key's ranking; else
-    /// the least loaded); false if there is none. Its outcome then says nothing of the key's
-    /// placement (as for a retry).
-    fn move_to_free(&self, route: &mut Route<'_>, limit: u64) -> bool {
+    /// A place for `route`: on its instance if that has fewer than `limit` requests in flight,
+    /// else on the first instance below `limit` (PREFIX_AWARE: in the key's ranking; else the
+    /// least loaded), which the route moves to; and with the variant under `cap` if any. Each
+    /// place is taken as it is counted ([`InFlight::try_start`]). `None`: no place. A route that
+    /// moves says nothing of the key's placement (as for a retry).
+    fn take_place(&self, route: &mut Route<'_>, limit: u64, cap: Option<u64>) -> Option<InFlight> {
         let v = route.variant;
         let instances = v.instances();
+        let take = |i: usize| InFlight::try_start(instances[i].state(), v.load(), limit, cap);
+        if let Some(place) = take(route.instance) {
+            return Some(place);
+        }
+        if cap.is_some_and(|cap| v.load().outstanding() >= cap) {
+            return None;
+        }
         let now = now_ms();
-        let usable = |i: usize| {
-            instances[i].state().outstanding() < limit && !instances[i].state().is_ejected(now)
+        let usable = |i: &usize| {
+            instances[*i].state().outstanding() < limit && !instances[*i].state().is_ejected(now)
         };
-        let next = match route.key {
-            Some(key) => crate::placement::ranking(v.id_hashes(), key).find(|&i| usable(i)),
-            None => (0..instances.len())
-                .filter(|&i| usable(i))
-                .min_by_key(|&i| instances[i].state().outstanding()),
-        };
-        let Some(i) = next else {
-            return false;
+        let (i, place) = match route.key {
+            Some(key) => crate::placement::ranking(v.id_hashes(), key)
+                .filter(usable)
+                .find_map(|i| Some((i, take(i)?)))?,
+            None => {
+                // the least loaded; one that another request took meanwhile is full the next time
+                let mut found = None;
+                for _ in 0..instances.len() {
+                    let Some(i) = (0..instances.len())
+                        .filter(usable)
+                        .min_by_key(|&i| instances[i].state().outstanding())
+                    else {
+                        break;
+                    };
+                    if let Some(place) = take(i) {
+                        found = Some((i, place));
+                        break;
+                    }
+                }
+                found?
+            }
         };
         if i != route.instance {
             route.instance = i;
@@ -600,7 +622,7 @@ impl Router {
             route.visit = crate::feedback::Visit::First;
             route.placed = 0;
         }
-        true
+        Some(place)
     }
 
     /// A failed exchange, for passive health: ejects the instance after repeated failures.
