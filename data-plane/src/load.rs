@@ -827,25 +827,44 @@ impl InFlight {
     }
 
     /// [`InFlight::start`] if the instance has fewer than `limit` requests in flight and the
-    /// variant fewer than `variant_cap` (if any), counted as it takes the place: two requests
-    /// that checked the counts first and then took places both took the last one (on two
-    /// worker threads, a sheddable request took the place kept for critical ones). A place
-    /// taken and given back is released as any other, so that a waiter that saw it taken is
-    /// woken.
+    /// variant fewer than `variant_cap` (if any), each count raised only from below its bound
+    /// (compare and swap): two requests that checked the counts first and then took places both
+    /// took the last one (on two worker threads, a sheddable request took the place kept for
+    /// critical ones). No count ever passes its bound, so a failed try hides no place from a
+    /// waiter and wakes no one (a wake per failed try would pass a full fleet's waiters back and
+    /// forth). With a cap, the variant's count is taken first and given back if the instance is
+    /// full.
     pub fn try_start(
         instance: &Arc<InstanceState>,
         variant: &Arc<VariantLoad>,
         limit: u64,
         variant_cap: Option<u64>,
     ) -> Option<Self> {
-        let before = instance.outstanding.fetch_add(1, Relaxed);
-        let variant_before = variant.outstanding.fetch_add(1, Relaxed);
-        let place = InFlight {
+        let below = |bound: u64| move |c: u64| (c < bound).then_some(c + 1);
+        if let Some(cap) = variant_cap {
+            variant
+                .outstanding
+                .fetch_update(Relaxed, Relaxed, below(cap))
+                .ok()?;
+            if instance
+                .outstanding
+                .fetch_update(Relaxed, Relaxed, below(limit))
+                .is_err()
+            {
+                variant.outstanding.fetch_sub(1, Relaxed);
+                return None;
+            }
+        } else {
+            instance
+                .outstanding
+                .fetch_update(Relaxed, Relaxed, below(limit))
+                .ok()?;
+            variant.outstanding.fetch_add(1, Relaxed);
+        }
+        Some(InFlight {
             instance: instance.clone(),
             variant: variant.clone(),
-        };
-        let over = before >= limit || variant_cap.is_some_and(|cap| variant_before >= cap);
-        (!over).then_some(place)
+        })
     }
 }
 

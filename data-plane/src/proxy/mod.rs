@@ -494,7 +494,7 @@ impl Router {
         let room = || self.flow.variant_room(v, priority);
         let cap = self.flow.variant_cap(v, priority);
         let free = |i: usize| v.instances()[i].state().outstanding() < limit;
-        // what take_free would take (a free but ejected instance is no reason to wake anyone)
+        // what take_place would take (a free but ejected instance is no reason to wake anyone)
         let usable = |i: usize| room() && free(i) && !v.instances()[i].state().is_ejected(now_ms());
         if queue.is_empty() {
             if let Some(place) = self.take_place(route, limit, cap) {
