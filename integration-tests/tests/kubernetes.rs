@@ -1809,8 +1809,14 @@ impl<'a> LocalCluster<'a> {
             let what = format!("{}'s \"{line}ADDR\" line", pod.name);
             let bound = wait_for_blocking(&what, std::time::Duration::from_secs(30), || {
                 let log = std::fs::read_to_string(&log_file).unwrap_or_default();
-                if let Some(addr) = log.lines().find_map(|l| l.strip_prefix(line.as_str())) {
-                    return Some(addr.parse::<std::net::SocketAddr>().unwrap().port());
+                // whole lines only: the pod may be writing the last one as it is read (a part
+                // of "127.0.0.1:8080" failed to parse, and "127.0.0.1:80" would be another port)
+                let written = &log[..log.rfind('\n').map_or(0, |end| end + 1)];
+                if let Some(addr) = written.lines().find_map(|l| l.strip_prefix(line.as_str())) {
+                    let addr: std::net::SocketAddr = addr
+                        .parse()
+                        .unwrap_or_else(|e| panic!("{what}: {addr:?}: {e}"));
+                    return Some(addr.port());
                 }
                 if let Some(status) = pod.child.as_mut().unwrap().try_wait().unwrap() {
                     panic!("{} exited ({status}) before {what}: {log}", pod.name);
