@@ -830,10 +830,10 @@ impl InFlight {
     /// variant fewer than `variant_cap` (if any), each count raised only from below its bound
     /// (compare and swap): two requests that checked the counts first and then took places both
     /// took the last one (on two worker threads, a sheddable request took the place kept for
-    /// critical ones). No count ever passes its bound, so a failed try hides no place from a
-    /// waiter and wakes no one (a wake per failed try would pass a full fleet's waiters back and
-    /// forth). With a cap, the variant's count is taken first and given back if the instance is
-    /// full.
+    /// critical ones). No count ever passes its bound, and a failed try wakes no one (a wake per
+    /// failed try would pass a full fleet's waiters back and forth). With a cap, the variant's
+    /// count is taken first and given back if the instance is full: a sheddable waiter that
+    /// reads it in between sees no room and waits for the next place to free, or its deadline.
     pub fn try_start(
         instance: &Arc<InstanceState>,
         variant: &Arc<VariantLoad>,
