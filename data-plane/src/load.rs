@@ -603,6 +603,13 @@ impl InstanceState {
         now_ms < self.ejected_until_ms.load(Relaxed)
     }
 
+    /// Whether the instance would take one more request now: fewer than `limit` in flight and
+    /// not ejected (a read: [`InFlight::try_start`] is what takes the place).
+    #[inline]
+    pub fn takes(&self, limit: u64, now_ms: u64) -> bool {
+        self.outstanding() < limit && !self.is_ejected(now_ms)
+    }
+
     pub fn record_success(&self) {
         // Read first: no write (and no cache-line bouncing) on the common path.
         if self.failures.load(Relaxed) != 0 {

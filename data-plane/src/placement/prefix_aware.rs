@@ -45,9 +45,7 @@ impl Placement {
         let index_key = key ^ v.salt();
         let instances = v.instances();
         let limit = self.limit(v, pa, now);
-        let ok = |i: usize| {
-            instances[i].state().outstanding() < limit && !instances[i].state().is_ejected(now)
-        };
+        let ok = |i: usize| instances[i].state().takes(limit, now);
         if c.first_turn {
             let e = v.load().epoch();
             let (top, top_score) = rendezvous_top(hashes, key);
@@ -105,11 +103,7 @@ impl Placement {
         let feedback = v.load().feedback();
         let limit = self.limit(v, pa, now);
         let instances = v.instances();
-        let ok = |i: usize| {
-            Some(i) != exclude
-                && instances[i].state().outstanding() < limit
-                && !instances[i].state().is_ejected(now)
-        };
+        let ok = |i: usize| Some(i) != exclude && instances[i].state().takes(limit, now);
         let (top, top_score) = rendezvous_top(hashes, key);
         let key_share = share(v, key, t.min_window);
         // A reused key's home (see [`super::homes`]): a hot key has one only where the caches

@@ -493,9 +493,8 @@ impl Router {
         // the variant's own share (sheddable: a quarter of all its places kept for the others)
         let room = || self.flow.variant_room(v, priority);
         let cap = self.flow.variant_cap(v, priority);
-        let free = |i: usize| v.instances()[i].state().outstanding() < limit;
         // what take_place would take (a free but ejected instance is no reason to wake anyone)
-        let usable = |i: usize| room() && free(i) && !v.instances()[i].state().is_ejected(now_ms());
+        let usable = |i: usize| room() && v.instances()[i].state().takes(limit, now_ms());
         if queue.is_empty() {
             if let Some(place) = self.take_place(route, limit, cap) {
                 if let Some(start) = requeued {
@@ -586,21 +585,26 @@ impl Router {
         if let Some(place) = take(route.instance) {
             return Some(place);
         }
-        if cap.is_some_and(|cap| v.load().outstanding() >= cap) {
+        let now = now_ms();
+        let usable = |i: &usize| instances[*i].state().takes(limit, now);
+        // a variant at its cap has no place on any instance
+        let capped = || cap.is_some_and(|cap| v.load().outstanding() >= cap);
+        if capped() {
             return None;
         }
-        let now = now_ms();
-        let usable = |i: &usize| {
-            instances[*i].state().outstanding() < limit && !instances[*i].state().is_ejected(now)
-        };
         let (i, place) = match route.key {
             Some(key) => crate::placement::ranking(v.id_hashes(), key)
+                .take_while(|_| !capped())
                 .filter(usable)
                 .find_map(|i| Some((i, take(i)?)))?,
             None => {
-                // the least loaded; one that another request took meanwhile is full the next time
+                // the least loaded; one that another request took meanwhile is full the next
+                // time, and a try that failed on the variant's cap ends the search
                 let mut found = None;
                 for _ in 0..instances.len() {
+                    if capped() {
+                        break;
+                    }
                     let Some(i) = (0..instances.len())
                         .filter(usable)
                         .min_by_key(|&i| instances[i].state().outstanding())
