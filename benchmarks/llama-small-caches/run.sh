@@ -7,7 +7,8 @@
 #   plane over HTTP, for comparison)
 # PREFIXCTL (default target/release/prefixctl) picks the build; OUT (default this folder) the JSON;
 # BENCH_ARGS adds bench flags (e.g. `--text-salt 100`: every label on the same texts); WARMUP and
-# DURATION (default 20 and 40 s) the run's length, e.g. `WARMUP=0 DURATION=90` for convergence.
+# DURATION (default 20 and 40 s) the run's length, e.g. `WARMUP=0 DURATION=90` for convergence;
+# REPEAT_TAG (set by matrix.sh's REPEAT) names the repeat in the files (ROLE-sSEED-LABEL-rTAG.json).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$here/../.."
@@ -17,11 +18,12 @@ out="${OUT:-$here}"
 mkdir -p "$out"
 fleet="$root/scripts/llama-server/fleet.sh"
 for label in "$@"; do
+  name="$role-s$seed-$label${REPEAT_TAG:+-r$REPEAT_TAG}"
   "$fleet" stop
   engines="$(CACHE_RAM_MIB=4 "$fleet" start 4 8001)"
   common=(bench --engines "$engines" --workload long-context --cache-regime small --document-role "$role"
     --token-scale 0.1 --prefix-length 1024 --concurrency 4 --warmup "${WARMUP:-20}" --duration "${DURATION:-40}" --seed "$seed"
-    --out "$out/$role-s$seed-$label.json" ${BENCH_ARGS:-})
+    --out "$out/$name.json" ${BENCH_ARGS:-})
   peer=()
   case "$label" in
     PA) "$prefixctl" "${common[@]}" --strategies PREFIX_AWARE ;;
@@ -63,7 +65,7 @@ for label in "$@"; do
       if [[ "$label" == ENVOY ]]; then url=http://127.0.0.1:8081; else url="http://$dp_addr"; fi
       "$prefixctl" "${common[@]}" --router-url "$url" --router-label "$label"
       # the router's own view (decisions, rules, the engines' reports)
-      curl -fs "http://$dp_addr/metrics" >"$out/$role-s$seed-$label.metrics.txt" 2>/dev/null || true
+      curl -fs "http://$dp_addr/metrics" >"$out/$name.metrics.txt" 2>/dev/null || true
       kill "${peer[@]}" 2>/dev/null || true; wait "${peer[@]}" 2>/dev/null || true
       ;;
     *) echo "unknown label $label" >&2; exit 2 ;;
