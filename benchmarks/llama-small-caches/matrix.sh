@@ -15,8 +15,8 @@ labels=("$@")
 export OUT="${OUT:-$here}"
 repeat="${REPEAT:-1}"
 for ((rep = 1; rep <= repeat; rep++)); do
-  shift=$(((rep - 1) % ${#labels[@]}))
-  order=("${labels[@]:shift}" "${labels[@]:0:shift}")
+  turn=$(((rep - 1) % ${#labels[@]}))
+  order=("${labels[@]:turn}" "${labels[@]:0:turn}")
   for seed in 1 2 3; do
     for role in system user; do
       if ((repeat > 1)); then
