@@ -17,13 +17,11 @@ repeat="${REPEAT:-1}"
 for ((rep = 1; rep <= repeat; rep++)); do
   turn=$(((rep - 1) % ${#labels[@]}))
   order=("${labels[@]:turn}" "${labels[@]:0:turn}")
+  tag=""
+  if ((repeat > 1)); then tag="$rep"; fi
   for seed in 1 2 3; do
     for role in system user; do
-      if ((repeat > 1)); then
-        REPEAT_TAG="$rep" "$here/run.sh" "$role" "$seed" "${order[@]}"
-      else
-        "$here/run.sh" "$role" "$seed" "${order[@]}"
-      fi
+      REPEAT_TAG="$tag" "$here/run.sh" "$role" "$seed" "${order[@]}"
     done
   done
 done
