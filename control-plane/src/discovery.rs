@@ -17,7 +17,11 @@
 //! ([`NodeRegistry::fleet_bounds_for`]; its own would only echo back, and a bound it forgot
 //! would come back as the fleet's) whenever that changes, in a response with no nonce and no
 //! table, which routers do not answer. It is this replica's routers' evidence only (not shared
-//! through etcd).
+//! through etcd). The bound comes only once one router has enough revisits of its own to judge
+//! a cache, and each of 4 routers sees a quarter of them: each watcher is also sent, at most once
+//! per [`EVIDENCE_EVERY`], per instance the sum of the other connected routers' revisits of
+//! reused prefixes and their misses ([`NodeRegistry::fleet_evidence_for`]), which each router
+//! adds to its own, so that every router judges each cache on the whole fleet's revisits.
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
@@ -35,6 +39,8 @@ use proto::{WatchRoutingTableRequest, WatchRoutingTableResponse};
 
 use crate::store::{now_unix_ms, PublishedTable, Store};
 
+/// How often a watcher is sent the other routers' evidence, when it changed.
+const EVIDENCE_EVERY: Duration = Duration::from_secs(1);
 /// How long a new stream may take to send its first message.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -53,6 +59,8 @@ pub struct NodeStatus {
     pub queues: Vec<proto::EndpointQueue>,
     /// The cache bounds the node learnt, as it last reported (cleared with the queues).
     pub cache_bounds: Vec<proto::CacheBound>,
+    /// Its own revisits and misses per instance, as it last reported (cleared with the queues).
+    pub cache_evidence: Vec<proto::CacheEvidence>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
@@ -100,6 +108,39 @@ impl NodeRegistry {
             .filter(|(id, _)| id.as_str() != node_id)
             .map(|(_, s)| s);
         fleet_bounds(others)
+    }
+
+    /// Per endpoint, variant and instance, the sum of the revisits and misses that the connected
+    /// nodes other than `node_id` report, sorted by those three (see the module doc).
+    pub fn fleet_evidence_for(&self, node_id: &str) -> Vec<proto::CacheEvidence> {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sum: std::collections::BTreeMap<(&str, &str, &str), (u64, u64)> =
+            Default::default();
+        for x in nodes
+            .iter()
+            .filter(|(id, s)| id.as_str() != node_id && s.streams > 0)
+            .flat_map(|(_, s)| &s.cache_evidence)
+        {
+            let at = (
+                x.endpoint_name.as_str(),
+                x.variant_name.as_str(),
+                x.instance_id.as_str(),
+            );
+            let (revisits, misses) = sum.entry(at).or_default();
+            *revisits = revisits.saturating_add(x.revisits);
+            *misses = misses.saturating_add(x.misses);
+        }
+        sum.into_iter()
+            .map(
+                |((endpoint, variant, instance), (revisits, misses))| proto::CacheEvidence {
+                    endpoint_name: endpoint.to_string(),
+                    variant_name: variant.to_string(),
+                    instance_id: instance.to_string(),
+                    revisits,
+                    misses,
+                },
+            )
+            .collect()
     }
 
     fn subscribe_bounds(&self) -> watch::Receiver<u64> {
@@ -177,6 +218,7 @@ impl Drop for StreamGuard {
             if s.streams == 0 {
                 s.queues.clear();
                 s.cache_bounds.clear();
+                s.cache_evidence.clear();
             }
         });
     }
@@ -299,6 +341,7 @@ impl Session {
             if let Some(status) = first.status {
                 s.queues = status.queues;
                 s.cache_bounds = status.cache_bounds;
+                s.cache_evidence = status.cache_evidence;
             }
         });
         let _guard = StreamGuard {
@@ -312,8 +355,13 @@ impl Session {
         );
 
         let mut held = first.applied_version;
-        // the fleet's bounds this router was last sent (none yet: nothing to send)
+        // the fleet's bounds and evidence this router was last sent (none yet: nothing to send)
         let mut sent: Vec<proto::CacheBound> = Vec::new();
+        let mut sent_evidence: Vec<proto::CacheEvidence> = Vec::new();
+        // the evidence grows with every request: it goes at most once per tick
+        let mut tick = tokio::time::interval(EVIDENCE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut evidence_due = false;
         loop {
             let current = self.tables.borrow_and_update().clone();
             if current.version != held {
@@ -323,12 +371,20 @@ impl Session {
                 held = current.version;
                 // a new table may hold new variants: the fleet's bounds follow it again
                 sent.clear();
+                sent_evidence.clear();
             }
             self.bounds.borrow_and_update();
             let fleet = self.nodes.fleet_bounds_for(&node_id);
-            if fleet != sent {
+            let evidence = std::mem::take(&mut evidence_due)
+                .then(|| self.nodes.fleet_evidence_for(&node_id))
+                .filter(|e| *e != sent_evidence);
+            if fleet != sent || evidence.is_some() {
+                if let Some(e) = evidence {
+                    sent_evidence = e;
+                }
                 let response = WatchRoutingTableResponse {
                     fleet_cache_bounds: fleet.clone(),
+                    fleet_cache_evidence: sent_evidence.clone(),
                     ..Default::default()
                 };
                 if self.tx.send(Ok(response)).await.is_err() {
@@ -337,6 +393,7 @@ impl Session {
                 sent = fleet;
             }
             tokio::select! {
+                _ = tick.tick() => evidence_due = true,
                 changed = self.tables.changed() => if changed.is_err() { return },
                 changed = self.bounds.changed() => if changed.is_err() { return },
                 _ = self.shutdown.changed() => return,
@@ -375,6 +432,7 @@ impl Session {
             nonce,
             routing_table: table.encoded.clone(),
             fleet_cache_bounds: Vec::new(),
+            fleet_cache_evidence: Vec::new(),
         };
         self.tx.send(Ok(response)).await.is_ok()
     }
@@ -402,6 +460,7 @@ impl Session {
             if let Some(status) = reply.status {
                 s.queues = status.queues;
                 s.cache_bounds = status.cache_bounds;
+                s.cache_evidence = status.cache_evidence;
             }
         });
         if answered.is_some() {

@@ -271,6 +271,19 @@ pub struct InstanceCache {
     /// evidence only once the variant's revisits miss (see
     /// [`InstanceCache::take_copy_miss_rate`]).
     copies: Sample,
+    /// This router's own revisits of reused keys and their misses since it started: what it
+    /// reports to the control plane (see [`InstanceCache::own_evidence`]).
+    own: Totals,
+    /// The other routers' totals, as this router last took them (see
+    /// [`InstanceCache::take_fleet_evidence`]).
+    fleet: Totals,
+}
+
+/// Revisits and misses counted since a router started.
+#[derive(Debug, Default)]
+struct Totals {
+    revisits: AtomicU64,
+    misses: AtomicU64,
 }
 
 /// Revisits and their misses since a verdict last took them.
@@ -294,6 +307,21 @@ impl Sample {
         revisits == MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(revisits) + 1.0
     }
 
+    /// Counts revisits seen elsewhere (the other routers', see
+    /// [`InstanceCache::take_fleet_evidence`]); true when the sample, with them, holds at least
+    /// [`MIN_SAMPLE`] whose misses pass the limit, and did not before.
+    fn add_many(&self, revisits: u32, misses: u32, t: &FeedbackTuning) -> bool {
+        let overflows = |revisits: u32, misses: u32| {
+            revisits >= MIN_SAMPLE && f64::from(misses) > t.miss_limit * f64::from(revisits) + 1.0
+        };
+        let before = (
+            self.revisits.fetch_add(revisits, Relaxed),
+            self.misses.fetch_add(misses, Relaxed),
+        );
+        let after = (before.0 + revisits, before.1 + misses);
+        overflows(after.0, after.1) && !overflows(before.0, before.1)
+    }
+
     /// The share that missed (`None`: fewer than [`MIN_SAMPLE`] yet; they are kept).
     fn take(&self) -> Option<f64> {
         if self.revisits.load(Relaxed) < MIN_SAMPLE {
@@ -312,6 +340,12 @@ impl Default for InstanceCache {
             hitting: AtomicBool::new(true),
             plain: Sample::default(),
             copies: Sample::default(),
+            own: Totals::default(),
+            // no base yet: the first totals taken are one
+            fleet: Totals {
+                revisits: AtomicU64::new(u64::MAX),
+                misses: AtomicU64::new(u64::MAX),
+            },
         }
     }
 }
@@ -348,6 +382,36 @@ impl InstanceCache {
         self.copies.take()
     }
 
+    /// This router's own revisits of reused keys placed by rules that do not spend cache, and
+    /// how many missed, since it started (what it reports on its watch stream).
+    pub fn own_evidence(&self) -> (u64, u64) {
+        (
+            self.own.revisits.load(Relaxed),
+            self.own.misses.load(Relaxed),
+        )
+    }
+
+    /// Takes the other routers' totals for this instance (the sum of their
+    /// [`InstanceCache::own_evidence`], from the control plane): what they grew by since the last
+    /// call joins this router's sample, so that the homes pass judges the cache on the fleet's
+    /// revisits, not on the quarter of them that one of 4 routers sees (alone, each of 4 routers
+    /// before 4 llama-servers whose caches held 2 of 8 documents had too few revisits for a
+    /// verdict until 11-15 s after its first pass). The first totals taken, and totals that
+    /// fell (a router gone or restarted), are a base and teach nothing. True when the sample now says the cache
+    /// overflows (the homes pass should run, as for [`InstanceCache::learn`]'s).
+    pub fn take_fleet_evidence(&self, revisits: u64, misses: u64, t: &FeedbackTuning) -> bool {
+        let seen = (
+            self.fleet.revisits.swap(revisits, Relaxed),
+            self.fleet.misses.swap(misses, Relaxed),
+        );
+        if revisits < seen.0 || misses < seen.1 {
+            return false;
+        }
+        let grown = |now: u64, then: u64| u32::try_from(now - then).unwrap_or(u32::MAX);
+        let (r, m) = (grown(revisits, seen.0), grown(misses, seen.1));
+        r > 0 && self.plain.add_many(r, m.min(r), t)
+    }
+
     /// Samples a reused key's revisit placed by a rule that spends cache.
     fn sample_copy(&self, miss: bool, t: &FeedbackTuning) {
         // (a copies' overflow asks for no pass: the variant's gate closing does)
@@ -358,6 +422,12 @@ impl InstanceCache {
     /// homes pass counted); true when the reused keys' revisits since the last
     /// [`InstanceCache::take_miss_rate`] verdict already say the cache overflows (once per sample).
     fn learn(&self, miss: bool, reused: bool, now_ms: u64, t: &FeedbackTuning) -> bool {
+        if reused {
+            self.own.revisits.fetch_add(1, Relaxed);
+            if miss {
+                self.own.misses.fetch_add(1, Relaxed);
+            }
+        }
         let overflows = reused && self.plain.add(miss, t);
         let t = FeedbackTuning {
             strike_interval_ms: t.relief_interval_ms,
@@ -497,6 +567,40 @@ pub(crate) mod tests {
         prompt_tokens: 1000,
         cached_tokens: 10,
     };
+
+    #[test]
+    fn the_other_routers_revisits_join_this_ones_sample_once_each() {
+        let t = FeedbackTuning::default();
+        let (f, i) = (Feedback::default(), InstanceCache::default());
+        // this router's own revisits of reused keys are what it reports; a plain revisit of a
+        // key no pass counted, and a copy's, are not
+        f.learn(Rule::PrefixHash, Visit::ReusedRevisit, MISS, 1, &t, &i);
+        f.learn(Rule::PrefixHash, Visit::ReusedRevisit, HIT, 1, &t, &i);
+        f.learn(Rule::PrefixHash, Visit::Revisit, MISS, 1, &t, &i);
+        f.learn(Rule::HotReplica, Visit::ReusedRevisit, MISS, 1, &t, &i);
+        assert_eq!(i.own_evidence(), (2, 1));
+        assert_eq!(i.take_miss_rate(), None, "2 revisits are too few to judge");
+        // the first totals taken are a base: the fleet's history before this router is not
+        // evidence of the cache now
+        assert!(!i.take_fleet_evidence(500, 400, &t));
+        assert_eq!(i.take_miss_rate(), None);
+        // what grew since joins the sample; once it says the cache overflows, the pass is due
+        assert!(
+            !i.take_fleet_evidence(503, 401, &t),
+            "5 revisits, 2 missed: too few"
+        );
+        assert!(
+            i.take_fleet_evidence(509, 405, &t),
+            "11 revisits, 6 missed: overflow"
+        );
+        assert!(!i.take_fleet_evidence(509, 405, &t), "nothing new");
+        assert_eq!(i.take_miss_rate(), Some(6.0 / 11.0));
+        // totals that fell (a router gone) are a new base; its own stay its own
+        assert!(!i.take_fleet_evidence(100, 90, &t));
+        assert!(!i.take_fleet_evidence(110, 90, &t));
+        assert_eq!(i.take_miss_rate(), Some(0.0), "10 revisits, none missed");
+        assert_eq!(i.own_evidence(), (2, 1));
+    }
 
     #[test]
     fn a_rule_whose_revisits_miss_is_closed_and_its_hold_doubles() {

@@ -3,12 +3,16 @@
 //! one). Reconnects with exponential backoff and jitter; with the control plane gone the last good
 //! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
 //! stream the router reports its status (requests waiting per endpoint and priority, for
-//! `prefixctl endpoint describe`; the cache bounds it learnt from the engines' reports) when it
+//! `prefixctl endpoint describe`; the cache bounds it learnt from the engines' reports, and its
+//! own revisits and misses per instance) when it
 //! changes, checked every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's
 //! evidence, not answered: the least cache bound per variant that the control plane's routers
 //! learnt ([`apply_fleet_bounds`]), which a router with none of its own takes at its next pass
-//! (see `placement::homes`).
+//! (see `placement::homes`), and per instance the other routers' revisits of reused prefixes and
+//! their misses, which join this router's own before its homes pass judges a cache
+//! ([`apply_fleet_evidence`]).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -22,7 +26,7 @@ use rand::Rng;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::proxy::Router;
-use crate::table::RoutingTable;
+use crate::table::{RoutingTable, Strategy};
 
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -245,6 +249,7 @@ async fn watch_once(
                 let Some(response) = response? else { break };
                 if response.nonce.is_empty() && response.routing_table.is_empty() {
                     apply_fleet_bounds(router, &response.fleet_cache_bounds);
+                    apply_fleet_evidence(router, &response.fleet_cache_evidence);
                     continue;
                 }
                 let (answer, applied) = apply(router, node_id, response);
@@ -289,6 +294,7 @@ fn status(router: &Router) -> proto::RouterStatus {
         return proto::RouterStatus::default();
     };
     let mut cache_bounds = Vec::new();
+    let mut cache_evidence = Vec::new();
     for e in table.endpoints() {
         for v in e.variants() {
             if let Some(keys) = v.load().own_cache_bound() {
@@ -298,11 +304,67 @@ fn status(router: &Router) -> proto::RouterStatus {
                     keys,
                 });
             }
+            if !matches!(v.strategy(), Strategy::PrefixAware(_)) {
+                continue;
+            }
+            for i in v.instances() {
+                let (revisits, misses) = i.state().cache().own_evidence();
+                if revisits > 0 {
+                    cache_evidence.push(proto::CacheEvidence {
+                        endpoint_name: e.name().to_string(),
+                        variant_name: v.name().to_string(),
+                        instance_id: i.id().to_string(),
+                        revisits,
+                        misses,
+                    });
+                }
+            }
         }
     }
     proto::RouterStatus {
         queues: crate::flow::endpoint_queues(table),
         cache_bounds,
+        cache_evidence,
+    }
+}
+
+/// Takes the other routers' revisits and misses per instance into the PREFIX_AWARE variants'
+/// samples (an instance not listed: none yet), and asks a variant for its homes pass when they
+/// say a cache overflows (see [`crate::feedback::InstanceCache::take_fleet_evidence`]).
+pub(crate) fn apply_fleet_evidence(router: &Router, evidence: &[proto::CacheEvidence]) {
+    let table = router.table.load();
+    let Some(table) = table.as_deref() else {
+        return;
+    };
+    let by_instance: HashMap<(&str, &str, &str), (u64, u64)> = evidence
+        .iter()
+        .map(|x| {
+            let at = (
+                x.endpoint_name.as_str(),
+                x.variant_name.as_str(),
+                x.instance_id.as_str(),
+            );
+            (at, (x.revisits, x.misses))
+        })
+        .collect();
+    let t = &router.placement.tuning().feedback;
+    for e in table.endpoints() {
+        for v in e.variants() {
+            if !matches!(v.strategy(), Strategy::PrefixAware(_)) {
+                continue;
+            }
+            let mut overflows = false;
+            for i in v.instances() {
+                let (revisits, misses) = by_instance
+                    .get(&(e.name(), v.name(), i.id()))
+                    .copied()
+                    .unwrap_or((0, 0));
+                overflows |= i.state().cache().take_fleet_evidence(revisits, misses, t);
+            }
+            if overflows {
+                v.load().feedback().request_pass();
+            }
+        }
     }
 }
 
@@ -466,10 +528,10 @@ mod tests {
         assert!(b.next_delay() <= Duration::from_millis(100));
     }
 
-    #[test]
-    fn a_router_reports_the_bounds_it_learnt_and_stores_the_fleets() {
+    /// A router serving endpoint `e` with one variant per `(name, strategy)`, each over the
+    /// same two instances.
+    fn router_with(variants: &[(&str, proto::RoutingStrategy)]) -> Router {
         use crate::table::tests::{table, variant};
-        use proto::RoutingStrategy;
         let config = crate::Config::default();
         let router = Router::new(
             &config,
@@ -477,15 +539,18 @@ mod tests {
             crate::upstream::tls_connector(None).unwrap(),
         );
         let a = ["http://10.0.0.1:80", "http://10.0.0.2:80"];
-        let wire = table(
-            1,
-            "e",
-            vec![
-                variant("v1", RoutingStrategy::PrefixAware, &a),
-                variant("v2", RoutingStrategy::PrefixAware, &a),
-            ],
+        let variants = variants.iter().map(|&(n, s)| variant(n, s, &a)).collect();
+        store(
+            &router,
+            RoutingTable::try_from(table(1, "e", variants)).unwrap(),
         );
-        store(&router, RoutingTable::try_from(wire).unwrap());
+        router
+    }
+
+    #[test]
+    fn a_router_reports_the_bounds_it_learnt_and_stores_the_fleets() {
+        use proto::RoutingStrategy::PrefixAware;
+        let router = router_with(&[("v1", PrefixAware), ("v2", PrefixAware)]);
         let table = router.table.load_full().unwrap();
         let e = table.endpoint("e").unwrap();
         let (v1, v2) = (e.variant("v1").unwrap(), e.variant("v2").unwrap());
@@ -514,6 +579,53 @@ mod tests {
         apply_fleet_bounds(&router, &[bound("v2", 5)]);
         assert!(v2.load().feedback().take_pass_due());
         assert_eq!(v2.load().homes().fleet_bound(), Some(5));
+    }
+
+    #[test]
+    fn a_router_reports_its_own_revisits_and_takes_the_fleets() {
+        use crate::feedback::tests::{HIT, MISS};
+        use crate::feedback::{Rule, Visit};
+        use proto::RoutingStrategy::{PrefixAware, Random};
+        let router = router_with(&[("pa", PrefixAware), ("r", Random)]);
+        let table = router.table.load_full().unwrap();
+        let e = table.endpoint("e").unwrap();
+        let pa = e.variant("pa").unwrap();
+        let t = router.placement.tuning().feedback;
+        assert!(status(&router).cache_evidence.is_empty(), "no revisit yet");
+        let second = &pa.instances()[1];
+        let learn = |report| {
+            pa.load().feedback().learn(
+                Rule::PrefixHash,
+                Visit::ReusedRevisit,
+                report,
+                1,
+                &t,
+                second.state().cache(),
+            )
+        };
+        learn(MISS);
+        learn(HIT);
+        let evidence = |instance: &str, revisits, misses| proto::CacheEvidence {
+            endpoint_name: "e".into(),
+            variant_name: "pa".into(),
+            instance_id: instance.into(),
+            revisits,
+            misses,
+        };
+        let id = second.id().to_string();
+        assert_eq!(status(&router).cache_evidence, vec![evidence(&id, 2, 1)]);
+        // the fleet's: a base first, then what grew joins the sample; an overflow asks for the
+        // homes pass
+        apply_fleet_evidence(&router, &[evidence(&id, 40, 10)]);
+        assert!(!pa.load().feedback().take_pass_due());
+        apply_fleet_evidence(&router, &[evidence(&id, 52, 16)]);
+        assert!(
+            pa.load().feedback().take_pass_due(),
+            "12 revisits, 6 missed"
+        );
+        assert_eq!(second.state().cache().take_miss_rate(), Some(7.0 / 14.0));
+        // what it took is not reported back
+        assert_eq!(status(&router).cache_evidence, vec![evidence(&id, 2, 1)]);
     }
 
     proptest::proptest! {

@@ -203,6 +203,21 @@ impl Watcher {
         .await;
     }
 
+    /// A status report of the router's own revisits and misses per instance:
+    /// `(variant, instance, revisits, misses)`, all of endpoint `ep`.
+    async fn report_evidence(&self, evidence: &[(&str, &str, u64, u64)]) {
+        self.send_status(proto::RouterStatus {
+            cache_evidence: evidence.iter().map(|&x| ep_evidence(x)).collect(),
+            ..Default::default()
+        })
+        .await;
+    }
+
+    /// The next response, which must be the fleet's (no nonce, no table): its evidence.
+    async fn next_fleet_evidence(&mut self) -> Vec<proto::CacheEvidence> {
+        self.next_fleet().await.fleet_cache_evidence
+    }
+
     /// A status report on the stream (a message that answers no push).
     async fn send_status(&self, status: proto::RouterStatus) {
         self.tx
@@ -218,6 +233,16 @@ impl Watcher {
     /// The next response, which must be the fleet's bounds (no nonce, no table):
     /// `(endpoint, variant, keys)`.
     async fn next_fleet_bounds(&mut self) -> Vec<(String, String, u32)> {
+        self.next_fleet()
+            .await
+            .fleet_cache_bounds
+            .into_iter()
+            .map(|b| (b.endpoint_name, b.variant_name, b.keys))
+            .collect()
+    }
+
+    /// The next response, which must be the fleet's (no nonce, no table).
+    async fn next_fleet(&mut self) -> WatchRoutingTableResponse {
         let resp = tokio::time::timeout(Duration::from_secs(10), self.rx.next())
             .await
             .expect("a response within 10 s")
@@ -225,12 +250,9 @@ impl Watcher {
             .expect("no stream error");
         assert!(
             resp.nonce.is_empty() && resp.routing_table.is_empty(),
-            "not the fleet's bounds: {resp:?}"
+            "not the fleet's bounds and evidence: {resp:?}"
         );
-        resp.fleet_cache_bounds
-            .into_iter()
-            .map(|b| (b.endpoint_name, b.variant_name, b.keys))
-            .collect()
+        resp
     }
 
     async fn reply(&self, resp: &WatchRoutingTableResponse, error: &str) {
@@ -910,6 +932,62 @@ pub async fn learnt_cache_bounds_reach_every_router_as_the_least_per_variant(bac
     cp.stop().await.unwrap();
 }
 
+/// `(variant, instance, revisits, misses)` of endpoint `ep` as a `CacheEvidence`.
+fn ep_evidence(
+    (variant, instance, revisits, misses): (&str, &str, u64, u64),
+) -> proto::CacheEvidence {
+    proto::CacheEvidence {
+        endpoint_name: "ep".into(),
+        variant_name: variant.into(),
+        instance_id: instance.into(),
+        revisits,
+        misses,
+    }
+}
+
+pub async fn revisits_reach_every_other_router_summed_per_instance(backend: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let cp =
+        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
+            .await;
+    let mut c = cp.client().await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
+    let mut w1 = Watcher::connect(&cp.url, "router-1", 0).await;
+    let mut w2 = Watcher::connect(&cp.url, "router-2", 0).await;
+    let mut w3 = Watcher::connect(&cp.url, "router-3", 0).await;
+    for w in [&mut w1, &mut w2, &mut w3] {
+        let (r, _) = w.next().await;
+        w.reply(&r, "").await;
+    }
+    let e = |x| vec![ep_evidence(x)];
+    // router-1's revisits reach the two others (and not router-1: that would echo back)
+    w1.report_evidence(&[("v1", "a", 10, 4)]).await;
+    assert_eq!(w2.next_fleet_evidence().await, e(("v1", "a", 10, 4)));
+    assert_eq!(w3.next_fleet_evidence().await, e(("v1", "a", 10, 4)));
+    // router-2's add up with router-1's, per instance
+    w2.report_evidence(&[("v1", "a", 6, 1), ("v1", "b", 3, 0)])
+        .await;
+    assert_eq!(
+        w3.next_fleet_evidence().await,
+        vec![
+            ep_evidence(("v1", "a", 16, 5)),
+            ep_evidence(("v1", "b", 3, 0))
+        ]
+    );
+    assert_eq!(
+        w1.next_fleet_evidence().await,
+        vec![
+            ep_evidence(("v1", "a", 6, 1)),
+            ep_evidence(("v1", "b", 3, 0))
+        ]
+    );
+    // router-2 gone: its revisits leave the sums
+    drop(w2);
+    assert_eq!(w3.next_fleet_evidence().await, e(("v1", "a", 10, 4)));
+    assert_eq!(w1.next_fleet_evidence().await, vec![]);
+    cp.stop().await.unwrap();
+}
+
 pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     let cp =
@@ -1133,7 +1211,7 @@ reflection_client!(reflection_v1alpha, tonic_reflection::pb::v1alpha);
 #[macro_export]
 macro_rules! contract_suite {
     ($run:path) => {
-        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
+        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, revisits_reach_every_other_router_summed_per_instance, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
     };
     (@cases $run:path; $($name:ident),* $(,)?) => {
         $(

@@ -891,12 +891,34 @@ fn serve_by(
     skip: usize,
     ms_per_request: u64,
 ) -> Served {
-    serve_through(routers, stream, body, capacity, skip, ms_per_request, false)
+    serve_through(
+        routers,
+        stream,
+        body,
+        capacity,
+        skip,
+        ms_per_request,
+        Share::Nothing,
+    )
 }
 
-/// [`serve_by`], and with `shared` the routers' own cache bounds reach each other after every
-/// request, as the control plane passes them on (to each router the least of the others',
-/// `control-plane`'s `NodeRegistry::fleet_bounds_for`).
+/// What routers pass each other through the control plane in [`serve_through`].
+#[derive(Clone, Copy, PartialEq)]
+enum Share {
+    Nothing,
+    /// Their own cache bounds, after every request (to each router the least of the others',
+    /// `control-plane`'s `NodeRegistry::fleet_bounds_for`).
+    Bounds,
+    /// The bounds, and every [`EVIDENCE_PERIOD`] requests each instance's revisits and misses
+    /// as the others reported them a period before (to each router the sum of the others',
+    /// `NodeRegistry::fleet_evidence_for`): the control plane sends them once a second, and a
+    /// fleet of 4 llama-servers serves about 30 requests a second.
+    Evidence,
+}
+
+const EVIDENCE_PERIOD: usize = 32;
+
+/// [`serve_by`], with the routers passing each other what `shared` says.
 fn serve_through(
     routers: &[(&Placement, &RoutingTable)],
     stream: &[usize],
@@ -904,9 +926,11 @@ fn serve_through(
     capacity: usize,
     skip: usize,
     ms_per_request: u64,
-    shared: bool,
+    shared: Share,
 ) -> Served {
     let mut bounded_at = vec![None; routers.len()];
+    // per router and instance, its own (revisits, misses) as it last reported them
+    let mut reported = vec![vec![(0u64, 0u64); 0]; routers.len()];
     let n = variant_of(routers[0].1).instances().len();
     let docs = stream.iter().max().unwrap() + 1;
     let mut held: Vec<std::collections::VecDeque<usize>> = vec![Default::default(); n];
@@ -943,7 +967,33 @@ fn serve_through(
                 *at = Some(i);
             }
         }
-        if shared {
+        if shared == Share::Evidence && (i + 1) % EVIDENCE_PERIOD == 0 {
+            for (j, (p, t)) in routers.iter().enumerate() {
+                let v = variant_of(t);
+                let mut overflows = false;
+                for (at, instance) in v.instances().iter().enumerate() {
+                    let others = reported.iter().enumerate().filter(|&(o, _)| o != j);
+                    let (r, m) = others
+                        .filter_map(|(_, own)| own.get(at))
+                        .fold((0, 0), |a, x| (a.0 + x.0, a.1 + x.1));
+                    overflows |=
+                        instance
+                            .state()
+                            .cache()
+                            .take_fleet_evidence(r, m, &p.tuning().feedback);
+                }
+                if overflows {
+                    v.load().feedback().request_pass();
+                }
+            }
+            for (own, (_, t)) in reported.iter_mut().zip(routers) {
+                let instances = variant_of(t).instances().iter();
+                *own = instances
+                    .map(|x| x.state().cache().own_evidence())
+                    .collect();
+            }
+        }
+        if shared != Share::Nothing {
             let own: Vec<Option<u32>> = routers
                 .iter()
                 .map(|(_, t)| variant_of(t).load().homes().own_capacity())
@@ -1768,7 +1818,7 @@ fn four_routers_that_share_their_learnt_bounds_agree_as_soon_as_one_has_learnt()
             let routers: Vec<(&Placement, &RoutingTable)> =
                 placements.iter().zip(&tables).collect();
             let stream = zipf_stream(8, 800, fleet as u64);
-            let served = serve_through(&routers, &stream, body, 2, 400, 0, true);
+            let served = serve_through(&routers, &stream, body, 2, 400, 0, Share::Bounds);
             let at: Vec<usize> = served.bounded_at.iter().map(|a| a.unwrap_or(800)).collect();
             let (first, last) = (at.iter().min().unwrap(), at.iter().max().unwrap());
             assert!(
@@ -1786,4 +1836,57 @@ fn four_routers_that_share_their_learnt_bounds_agree_as_soon_as_one_has_learnt()
     }
     let mean = hits.iter().sum::<f64>() / hits.len() as f64;
     assert!(mean >= 0.93, "mean hit {mean}: {hits:?}");
+}
+
+#[test]
+fn four_routers_that_share_their_revisits_judge_each_cache_on_the_whole_fleets() {
+    // As above, but each router also takes the others' revisits and misses per instance (once a
+    // period, as the control plane passes them on). Each of 4 routers sees a quarter of the
+    // revisits: alone, the first router to have enough to judge a cache learns the bound later
+    // than one router would, and the fleet places apart until then. On these 16 runs, the first
+    // bound came at request 358 on average against 383 with bounds alone, and requests 200-800
+    // hit 0.895 against 0.887 (better in 11 runs, worse in 4). Every router runs its first pass
+    // at its own 64th request (request 256 here), and no revisit counts before a pass: that, not
+    // the evidence, is most of the wait now.
+    let (mut hits, mut first_learnt) = (Vec::new(), Vec::new());
+    for fleet in 0..8 {
+        for body in [
+            system_document as fn(usize, usize) -> Vec<u8>,
+            user_document,
+        ] {
+            let mut outcome = Vec::new();
+            for share in [Share::Bounds, Share::Evidence] {
+                let (placements, tables) = fresh_routers(4, fleet);
+                let routers: Vec<(&Placement, &RoutingTable)> =
+                    placements.iter().zip(&tables).collect();
+                let stream = zipf_stream(8, 800, fleet as u64);
+                let served = serve_through(&routers, &stream, body, 2, 200, 0, share);
+                let first = served.bounded_at.iter().map(|a| a.unwrap_or(800)).min();
+                outcome.push((served.hit_rate, first.unwrap()));
+            }
+            hits.push((outcome[0].0, outcome[1].0));
+            first_learnt.push((outcome[0].1 as f64, outcome[1].1 as f64));
+        }
+    }
+    let mean = |x: &mut dyn Iterator<Item = f64>| {
+        let all: Vec<f64> = x.collect();
+        all.iter().sum::<f64>() / all.len() as f64
+    };
+    let (alone, shared) = (
+        mean(&mut hits.iter().map(|h| h.0)),
+        mean(&mut hits.iter().map(|h| h.1)),
+    );
+    let (learnt_alone, learnt_shared) = (
+        mean(&mut first_learnt.iter().map(|h| h.0)),
+        mean(&mut first_learnt.iter().map(|h| h.1)),
+    );
+    assert!(
+        shared >= alone + 0.004,
+        "mean hit {shared} with revisits shared, {alone} without: {hits:?}"
+    );
+    assert!(
+        learnt_shared + 16.0 <= learnt_alone,
+        "first bound at request {learnt_shared} on average with revisits shared, \
+         {learnt_alone} without: {first_learnt:?}"
+    );
 }

@@ -358,12 +358,28 @@ class WatchRoutingTableRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., response_nonce: _Optional[str] = ..., error_detail: _Optional[str] = ..., status: _Optional[_Union[RouterStatus, _Mapping]] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("queues", "cache_bounds")
+    __slots__ = ("queues", "cache_bounds", "cache_evidence")
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
     cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
-    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ...) -> None: ...
+    cache_evidence: _containers.RepeatedCompositeFieldContainer[CacheEvidence]
+    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ...) -> None: ...
+
+class CacheEvidence(_message.Message):
+    __slots__ = ("endpoint_name", "variant_name", "instance_id", "revisits", "misses")
+    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    endpoint_name: str
+    variant_name: str
+    instance_id: str
+    revisits: int
+    misses: int
+    def __init__(self, endpoint_name: _Optional[str] = ..., variant_name: _Optional[str] = ..., instance_id: _Optional[str] = ..., revisits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class CacheBound(_message.Message):
     __slots__ = ("endpoint_name", "variant_name", "keys")
@@ -388,13 +404,15 @@ class EndpointQueue(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ..., critical: _Optional[int] = ..., standard: _Optional[int] = ..., sheddable: _Optional[int] = ...) -> None: ...
 
 class WatchRoutingTableResponse(_message.Message):
-    __slots__ = ("version", "nonce", "routing_table", "fleet_cache_bounds")
+    __slots__ = ("version", "nonce", "routing_table", "fleet_cache_bounds", "fleet_cache_evidence")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ROUTING_TABLE_FIELD_NUMBER: _ClassVar[int]
     FLEET_CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_CACHE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     routing_table: bytes
     fleet_cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ..., fleet_cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ...) -> None: ...
+    fleet_cache_evidence: _containers.RepeatedCompositeFieldContainer[CacheEvidence]
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ..., fleet_cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., fleet_cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ...) -> None: ...
