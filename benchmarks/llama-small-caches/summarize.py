@@ -15,10 +15,15 @@ import sys
 
 runs = {}
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    m = re.fullmatch(r"(user|system)-s(\d+)-([A-Z0-9]+)(?:-r(\d+))?", path.stem)
+    m = re.fullmatch(r"(user|system)-s(\d+)-([A-Z0-9]+)(?:-r(\w+))?", path.stem)
     if not m:
         continue
-    role, seed, label, rep = m.group(1), int(m.group(2)), m.group(3), int(m.group(4) or 0)
+    role, seed, label, tag = m.group(1), int(m.group(2)), m.group(3), m.group(4) or "0"
+    # a numeric tag is a repeat; any other names a build (run.sh's REPEAT_TAG with another
+    # PREFIXCTL), a column of its own: PA4-old, PA4-new
+    rep = int(tag) if tag.isdigit() else 0
+    if not tag.isdigit():
+        label = f"{label}-{tag}"
     r = json.loads(path.read_text())["results"][0]
     runs.setdefault((seed, role, label), []).append((rep, r))
 
@@ -28,7 +33,8 @@ def median(rs, field):
 
 
 cells = {k: [r for _, r in sorted(v, key=lambda x: x[0])] for k, v in runs.items()}
-labels = [l for l in ["PA", "PA4", "SMG", "SGL", "RANDOM", "ENVOY", "DP"] if any(k[2] == l for k in cells)]
+order = ["PA", "PA4", "SMG", "SGL", "RANDOM", "ENVOY", "DP"]
+labels = sorted({k[2] for k in cells}, key=lambda l: (order.index(l.split("-")[0]) if l.split("-")[0] in order else len(order), l))
 keys = sorted({(k[0], k[1]) for k in cells})
 print("| seed, role | " + " | ".join(labels) + " |")
 print("|---|" + "---|" * len(labels))
@@ -50,8 +56,8 @@ for l in labels:
     med = lambda i: statistics.median(x[i] for x in rs)
     n = sum(len(v) for k, v in cells.items() if k[2] == l)
     print(f"{l}: median {med(0):.1f} req/s, {100 * med(1):.1f}%, {med(2):.0f} ms ({len(rs)} cells, {n} runs)")
-peers = [l for l in ("SMG", "SGL") if l in labels]
-for l in (x for x in ("PA", "PA4") if x in labels and peers):
+peers = [l for l in labels if l.split("-")[0] in ("SMG", "SGL")]
+for l in (x for x in labels if x.split("-")[0] in ("PA", "PA4") and peers):
     won, ratios = 0, []
     for seed, role in keys:
         ours = cells.get((seed, role, l))
