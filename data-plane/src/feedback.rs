@@ -408,8 +408,9 @@ impl InstanceCache {
     /// revisits, not on the quarter of them that one of 4 routers sees (alone, each of 4 routers
     /// before 4 llama-servers whose caches held 2 of 8 documents had too few revisits for a
     /// verdict until 11-15 s after its first pass). The first totals taken, and totals that
-    /// fell (a router gone or restarted), are a base and teach nothing. True when the sample now says the cache
-    /// overflows (the homes pass should run, as when its own revisits show it).
+    /// fell (a router gone or restarted), are a base and teach nothing. True when the sample now
+    /// says the cache overflows, clearly past the limit ([`FLEET_MARGIN`]): the homes pass
+    /// should run, as when this router's own revisits show it.
     pub fn take_fleet_evidence(&self, revisits: u64, misses: u64, t: &FeedbackTuning) -> bool {
         let seen = (
             self.fleet.revisits.swap(revisits, Relaxed),
