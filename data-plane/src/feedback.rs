@@ -409,7 +409,7 @@ impl InstanceCache {
     /// before 4 llama-servers whose caches held 2 of 8 documents had too few revisits for a
     /// verdict until 11-15 s after its first pass). The first totals taken, and totals that
     /// fell (a router gone or restarted), are a base and teach nothing. True when the sample now
-    /// says the cache overflows, clearly past the limit ([`FLEET_MARGIN`]): the homes pass
+    /// says the cache overflows, clearly past the limit (by `FLEET_MARGIN`): the homes pass
     /// should run, as when this router's own revisits show it.
     pub fn take_fleet_evidence(&self, revisits: u64, misses: u64, t: &FeedbackTuning) -> bool {
         let seen = (
