@@ -21,7 +21,10 @@
 //! a cache, and each of 4 routers sees a quarter of them: each watcher is also sent, at most once
 //! per [`EVIDENCE_EVERY`], per instance the sum of the other connected routers' revisits of
 //! reused prefixes and their misses ([`NodeRegistry::fleet_evidence_for`]), which each router
-//! adds to its own, so that every router judges each cache on the whole fleet's revisits.
+//! adds to its own, so that every router judges each cache on the whole fleet's revisits. A
+//! router's totals count from when its stream opened (what it reported then is a base): one that
+//! reconnects, to a restarted control plane or another replica, would otherwise bring its whole
+//! history into the others' samples as if it had just happened.
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
@@ -61,6 +64,10 @@ pub struct NodeStatus {
     pub cache_bounds: Vec<proto::CacheBound>,
     /// Its own revisits and misses per instance, as it last reported (cleared with the queues).
     pub cache_evidence: Vec<proto::CacheEvidence>,
+    /// What it reported when its stream opened: history that the other routers did not see
+    /// grow (a router that reconnects, to this control plane restarted or to another replica,
+    /// brings its totals since it started), left out of the fleet's sums.
+    pub evidence_base: Vec<proto::CacheEvidence>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
@@ -114,21 +121,26 @@ impl NodeRegistry {
     /// nodes other than `node_id` report, sorted by those three (see the module doc).
     pub fn fleet_evidence_for(&self, node_id: &str) -> Vec<proto::CacheEvidence> {
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        fn at(x: &proto::CacheEvidence) -> (&str, &str, &str) {
+            (&x.endpoint_name, &x.variant_name, &x.instance_id)
+        }
         let mut sum: std::collections::BTreeMap<(&str, &str, &str), (u64, u64)> =
             Default::default();
-        for x in nodes
+        for (_, s) in nodes
             .iter()
             .filter(|(id, s)| id.as_str() != node_id && s.streams > 0)
-            .flat_map(|(_, s)| &s.cache_evidence)
         {
-            let at = (
-                x.endpoint_name.as_str(),
-                x.variant_name.as_str(),
-                x.instance_id.as_str(),
-            );
-            let (revisits, misses) = sum.entry(at).or_default();
-            *revisits = revisits.saturating_add(x.revisits);
-            *misses = misses.saturating_add(x.misses);
+            for (k, x) in s.cache_evidence.iter().enumerate() {
+                // a router reports in its table's order: the base's entry is at the same place
+                // unless instances came or went
+                let base = (s.evidence_base.get(k))
+                    .filter(|b| at(b) == at(x))
+                    .or_else(|| s.evidence_base.iter().find(|b| at(b) == at(x)));
+                let (r0, m0) = base.map_or((0, 0), |b| (b.revisits, b.misses));
+                let (revisits, misses) = sum.entry(at(x)).or_default();
+                *revisits = revisits.saturating_add(x.revisits.saturating_sub(r0));
+                *misses = misses.saturating_add(x.misses.saturating_sub(m0));
+            }
         }
         sum.into_iter()
             .map(
@@ -219,6 +231,7 @@ impl Drop for StreamGuard {
                 s.queues.clear();
                 s.cache_bounds.clear();
                 s.cache_evidence.clear();
+                s.evidence_base.clear();
             }
         });
     }
@@ -341,6 +354,9 @@ impl Session {
             if let Some(status) = first.status {
                 s.queues = status.queues;
                 s.cache_bounds = status.cache_bounds;
+                if s.streams == 1 {
+                    s.evidence_base = status.cache_evidence.clone();
+                }
                 s.cache_evidence = status.cache_evidence;
             }
         });
@@ -369,15 +385,19 @@ impl Session {
                     return;
                 }
                 held = current.version;
-                // a new table may hold new variants: the fleet's bounds follow it again
+                // a new table may hold new variants: the fleet's bounds and evidence follow it
+                // again (the evidence as it stands: a router takes an instance missing from it
+                // as one with none)
                 sent.clear();
                 sent_evidence.clear();
+                evidence_due = true;
             }
             self.bounds.borrow_and_update();
             let fleet = self.nodes.fleet_bounds_for(&node_id);
             let evidence = std::mem::take(&mut evidence_due)
                 .then(|| self.nodes.fleet_evidence_for(&node_id))
                 .filter(|e| *e != sent_evidence);
+            // every such message carries the evidence too (the last sent, if none is due)
             if fleet != sent || evidence.is_some() {
                 if let Some(e) = evidence {
                     sent_evidence = e;

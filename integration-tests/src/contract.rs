@@ -132,6 +132,16 @@ struct Watcher {
 
 impl Watcher {
     async fn connect(url: &str, node_id: &str, applied_version: u64) -> Self {
+        Self::connect_with(url, node_id, applied_version, None).await
+    }
+
+    /// [`Watcher::connect`], its first message carrying `status`.
+    async fn connect_with(
+        url: &str,
+        node_id: &str,
+        applied_version: u64,
+        status: Option<proto::RouterStatus>,
+    ) -> Self {
         let mut client = RoutingDiscoveryClient::connect(url.to_string())
             .await
             .unwrap();
@@ -139,6 +149,7 @@ impl Watcher {
         tx.send(WatchRoutingTableRequest {
             node_id: node_id.into(),
             applied_version,
+            status,
             ..Default::default()
         })
         .await
@@ -985,6 +996,40 @@ pub async fn revisits_reach_every_other_router_summed_per_instance(backend: Back
     drop(w2);
     assert_eq!(w3.next_fleet_evidence().await, e(("v1", "a", 10, 4)));
     assert_eq!(w1.next_fleet_evidence().await, vec![]);
+    // a router that connects with a history (as after a control-plane restart) adds what
+    // grows from then on, not its history: the others saw none of it grow
+    let history = proto::RouterStatus {
+        cache_evidence: e(("v1", "a", 500, 400)),
+        ..Default::default()
+    };
+    let mut w4 = Watcher::connect_with(&cp.url, "router-4", 0, Some(history)).await;
+    let (r4, _) = w4.next().await;
+    w4.reply(&r4, "").await;
+    w4.report_evidence(&[("v1", "a", 503, 401)]).await;
+    assert_eq!(w3.next_fleet_evidence().await, e(("v1", "a", 13, 5)));
+    // a new table: the fleet's message that follows it carries the bounds and the evidence as
+    // they stand (a router takes an instance left out as one with no revisits)
+    w1.send_status(proto::RouterStatus {
+        cache_bounds: vec![proto::CacheBound {
+            endpoint_name: "ep".into(),
+            variant_name: "v1".into(),
+            keys: 2,
+        }],
+        cache_evidence: e(("v1", "a", 10, 4)),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(
+        w3.next_fleet().await.fleet_cache_evidence,
+        e(("v1", "a", 13, 5))
+    );
+    let pa = vec![variant("v1", RoutingStrategy::PrefixAware, &[A])];
+    update_config(&mut c, "cfg", pa, None).await.unwrap();
+    let (r3, _) = w3.next().await;
+    w3.reply(&r3, "").await;
+    let fleet = w3.next_fleet().await;
+    assert_eq!(fleet.fleet_cache_bounds.len(), 1);
+    assert_eq!(fleet.fleet_cache_evidence, e(("v1", "a", 13, 5)));
     cp.stop().await.unwrap();
 }
 
