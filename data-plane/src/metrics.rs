@@ -183,7 +183,7 @@ impl Metrics {
              say its copies miss (rule \"variant\": every such rule of the variant).",
         );
         for (endpoint, variant) in variants() {
-            if !matches!(variant.strategy(), crate::table::Strategy::PrefixAware(_)) {
+            if !variant.is_prefix_aware() {
                 continue;
             }
             let feedback = variant.load().feedback();
@@ -204,7 +204,7 @@ impl Metrics {
             "Times a PREFIX_AWARE rule was closed because the engines reported that its revisits miss.",
         );
         for (endpoint, variant) in variants() {
-            if !matches!(variant.strategy(), crate::table::Strategy::PrefixAware(_)) {
+            if !variant.is_prefix_aware() {
                 continue;
             }
             let feedback = variant.load().feedback();

@@ -26,7 +26,7 @@ use rand::Rng;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::proxy::Router;
-use crate::table::{RoutingTable, Strategy};
+use crate::table::RoutingTable;
 
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -304,7 +304,7 @@ fn status(router: &Router) -> proto::RouterStatus {
                     keys,
                 });
             }
-            if !matches!(v.strategy(), Strategy::PrefixAware(_)) {
+            if !v.is_prefix_aware() {
                 continue;
             }
             for i in v.instances() {
@@ -350,20 +350,16 @@ pub(crate) fn apply_fleet_evidence(router: &Router, evidence: &[proto::CacheEvid
     let t = &router.placement.tuning().feedback;
     for e in table.endpoints() {
         for v in e.variants() {
-            if !matches!(v.strategy(), Strategy::PrefixAware(_)) {
+            if !v.is_prefix_aware() {
                 continue;
             }
-            let mut overflows = false;
-            for i in v.instances() {
-                let (revisits, misses) = by_instance
-                    .get(&(e.name(), v.name(), i.id()))
-                    .copied()
-                    .unwrap_or((0, 0));
-                overflows |= i.state().cache().take_fleet_evidence(revisits, misses, t);
-            }
-            if overflows {
-                v.load().feedback().request_pass();
-            }
+            v.take_fleet_evidence(
+                |_, i| {
+                    let at = (e.name(), v.name(), i.id());
+                    by_instance.get(&at).copied().unwrap_or((0, 0))
+                },
+                t,
+            );
         }
     }
 }

@@ -969,22 +969,13 @@ fn serve_through(
         }
         if shared == Share::Evidence && (i + 1) % EVIDENCE_PERIOD == 0 {
             for (j, (p, t)) in routers.iter().enumerate() {
-                let v = variant_of(t);
-                let mut overflows = false;
-                for (at, instance) in v.instances().iter().enumerate() {
+                let others = |at: usize, _: &_| {
                     let others = reported.iter().enumerate().filter(|&(o, _)| o != j);
-                    let (r, m) = others
+                    others
                         .filter_map(|(_, own)| own.get(at))
-                        .fold((0, 0), |a, x| (a.0 + x.0, a.1 + x.1));
-                    overflows |=
-                        instance
-                            .state()
-                            .cache()
-                            .take_fleet_evidence(r, m, &p.tuning().feedback);
-                }
-                if overflows {
-                    v.load().feedback().request_pass();
-                }
+                        .fold((0, 0), |a, x| (a.0 + x.0, a.1 + x.1))
+                };
+                variant_of(t).take_fleet_evidence(others, &p.tuning().feedback);
             }
             for (own, (_, t)) in reported.iter_mut().zip(routers) {
                 let instances = variant_of(t).instances().iter();
