@@ -792,14 +792,15 @@ impl VariantLoad {
     }
 
     /// Stores the fleet's cache bound (the least the control plane's other routers learnt, see
-    /// `crate::watch`); a router with no bound of its own runs its homes pass at its next
-    /// request, where it takes it (see `placement::homes`).
+    /// `crate::watch`); a router with no bound, or one above the fleet's, runs its homes pass
+    /// at its next request, where it takes it (see `placement::homes`).
     pub fn store_fleet_bound(&self, bound: Option<u32>) {
         if bound.is_none() && self.homes.get().is_none() {
             return; // (no homes pass ran: nothing to forget)
         }
         let homes = self.homes();
-        if homes.store_fleet_bound(bound) && bound.is_some() && homes.capacity().is_none() {
+        let below = |b: u32| homes.capacity().is_none_or(|c| b < c);
+        if homes.store_fleet_bound(bound) && bound.is_some_and(below) {
             self.feedback().request_pass();
         }
     }

@@ -7,7 +7,7 @@
 //! own revisits and misses per instance) when it
 //! changes, checked every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's
 //! evidence, not answered: the least cache bound per variant that the control plane's routers
-//! learnt ([`apply_fleet_bounds`]), which a router with none of its own takes at its next pass
+//! learnt ([`apply_fleet_bounds`]), which a router with none of its own, or one above it, takes at its next pass
 //! (see `placement::homes`), and per instance the other routers' revisits of reused prefixes and
 //! their misses, which join this router's own before its homes pass judges a cache
 //! ([`apply_fleet_evidence`]).
@@ -570,9 +570,11 @@ mod tests {
         apply_fleet_bounds(&router, &[bound("v1", 2), bound("other", 7)]);
         assert_eq!(v1.load().homes().fleet_bound(), Some(2));
         assert_eq!(v2.load().homes().fleet_bound(), None);
-        // a variant with no bound of its own runs its pass at the next request, to take it
-        assert!(!v1.load().feedback().take_pass_due(), "v1 has its own");
-        apply_fleet_bounds(&router, &[bound("v2", 5)]);
+        // a variant whose own bound is above the fleet's runs its pass at the next request, to
+        // take it, and so does one with no bound; a fleet's bound above its own asks for none
+        assert!(v1.load().feedback().take_pass_due(), "v1's 3 is above 2");
+        apply_fleet_bounds(&router, &[bound("v1", 4), bound("v2", 5)]);
+        assert!(!v1.load().feedback().take_pass_due(), "v1's 3 is under 4");
         assert!(v2.load().feedback().take_pass_due());
         assert_eq!(v2.load().homes().fleet_bound(), Some(5));
     }

@@ -1445,6 +1445,28 @@ fn the_fleets_bound_is_taken_unless_the_routers_own_revisits_showed_room_above_i
 }
 
 #[test]
+fn a_router_whose_bound_is_above_the_fleets_takes_the_fleets() {
+    // This router learnt a bound of 4 (copies that missed), another router saw an instance
+    // overflow at 3 keys and learnt 2. The fleet's is taken, even where an instance of this
+    // router's held 3 and hit all 8 revisits (room on one cache is no answer to an overflow on
+    // another): the routers then place alike. A fleet's bound above this router's own is not.
+    let t = Tuning::default();
+    for (own, fleet, expected) in [(4u32, 2u32, 2u32), (2, 3, 2)] {
+        let table = prefix_aware_table(4);
+        let v = variant_of(&table);
+        let homes = v.load().homes();
+        homes.store_capacity(Some(own), 0);
+        revisits_on_the_first_instance(v, 3, 2, 0);
+        homes.store_fleet_bound(Some(fleet));
+        let (cap, _) = homes::learn_capacity(v, 8, &t);
+        assert_eq!(cap, Some(expected), "own {own}, the fleet's {fleet}");
+        // a bound taken is not reported back; one's own still is
+        let reported = (expected == own).then_some(own);
+        assert_eq!(homes.own_capacity(), reported, "own {own}, the fleet's {fleet}");
+    }
+}
+
+#[test]
 fn an_overflow_bounds_an_instance_to_about_what_its_revisits_show_it_holds() {
     // An instance given k of the reused keys whose revisits miss a share m of the time holds
     // about k * (1 - m): 14 keys missing a quarter of their revisits are about 10 (an even
