@@ -80,6 +80,48 @@ pub async fn register(
         .unwrap()
 }
 
+/// A control plane over `backend` in a directory of its own, checking leases every second with
+/// no metrics listener, and a client of it: how most cases start. The directory goes when the
+/// first of the three drops.
+async fn control_plane(
+    backend: &Backend,
+) -> (
+    tempfile::TempDir,
+    InProcessControlPlane,
+    ControlPlaneClient<Channel>,
+) {
+    control_plane_with(backend, Duration::from_millis(1000), false).await
+}
+
+/// [`control_plane`], checking leases every `lease_check` and serving metrics when `metrics`.
+async fn control_plane_with(
+    backend: &Backend,
+    lease_check: Duration,
+    metrics: bool,
+) -> (
+    tempfile::TempDir,
+    InProcessControlPlane,
+    ControlPlaneClient<Channel>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = InProcessControlPlane::start_on(backend, dir.path(), lease_check, metrics).await;
+    let c = cp.client().await;
+    (dir, cp, c)
+}
+
+/// Watchers for routers `names`, each of which has ACKed the table it got first.
+async fn acked_watchers<const N: usize>(url: &str, names: [&str; N]) -> [Watcher; N] {
+    let mut out = Vec::with_capacity(N);
+    for name in names {
+        let mut w = Watcher::connect(url, name, 0).await;
+        let (r, _) = w.next().await;
+        w.reply(&r, "").await;
+        out.push(w);
+    }
+    out.try_into()
+        .unwrap_or_else(|_| unreachable!("one watcher per name"))
+}
+
 /// Config "cfg" with one variant "v1" over instance A, and endpoint "ep" routing with it.
 pub async fn endpoint_ep_over_a(
     c: &mut ControlPlaneClient<Channel>,
@@ -281,11 +323,7 @@ impl Watcher {
 }
 
 pub async fn configs_are_revisioned_and_endpoints_follow_them(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane(&backend).await;
 
     let created = create_config(
         &mut c,
@@ -468,11 +506,7 @@ pub async fn configs_are_revisioned_and_endpoints_follow_them(backend: Backend) 
 }
 
 pub async fn invalid_input_is_rejected_and_nothing_is_written(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, _cp, mut c) = control_plane(&backend).await;
     endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
     let before_configs = c
         .list_endpoint_configs(ListEndpointConfigsRequest {})
@@ -658,11 +692,7 @@ pub async fn invalid_input_is_rejected_and_nothing_is_written(backend: Backend) 
 }
 
 pub async fn watcher_gets_current_table_then_each_version_and_reports_rollout(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane(&backend).await;
     let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
 
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
@@ -732,11 +762,7 @@ pub async fn watcher_gets_current_table_then_each_version_and_reports_rollout(ba
 }
 
 pub async fn metrics_report_rpcs_watchers_and_each_nodes_lag(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), true)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane_with(&backend, Duration::from_millis(1000), true).await;
     let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
     let again = c
         .create_endpoint(CreateEndpointRequest {
@@ -837,11 +863,7 @@ pub async fn metrics_report_rpcs_watchers_and_each_nodes_lag(backend: Backend) {
 /// A router's status report (its queues) answers no push, shows in `DescribeEndpoint` for the
 /// endpoint described only, and goes with the router's stream.
 pub async fn status_reports_show_per_endpoint_until_the_stream_ends(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane(&backend).await;
     endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
     let (resp, _) = w.next().await;
@@ -884,18 +906,9 @@ pub async fn status_reports_show_per_endpoint_until_the_stream_ends(backend: Bac
 }
 
 pub async fn learnt_cache_bounds_reach_every_router_as_the_least_per_variant(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane(&backend).await;
     endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
-    let mut w1 = Watcher::connect(&cp.url, "router-1", 0).await;
-    let mut w2 = Watcher::connect(&cp.url, "router-2", 0).await;
-    let (r1, _) = w1.next().await;
-    let (r2, _) = w2.next().await;
-    w1.reply(&r1, "").await;
-    w2.reply(&r2, "").await;
+    let [mut w1, mut w2] = acked_watchers(&cp.url, ["router-1", "router-2"]).await;
     let bound = |e: &str, v: &str, k: u32| (e.to_string(), v.to_string(), k);
     // router-1 learnt that v1's caches hold 3 keys: router-2 hears it (router-1 hears nothing
     // of its own: that would echo back)
@@ -957,19 +970,10 @@ fn ep_evidence(
 }
 
 pub async fn revisits_reach_every_other_router_summed_per_instance(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane(&backend).await;
     endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
-    let mut w1 = Watcher::connect(&cp.url, "router-1", 0).await;
-    let mut w2 = Watcher::connect(&cp.url, "router-2", 0).await;
-    let mut w3 = Watcher::connect(&cp.url, "router-3", 0).await;
-    for w in [&mut w1, &mut w2, &mut w3] {
-        let (r, _) = w.next().await;
-        w.reply(&r, "").await;
-    }
+    let [mut w1, mut w2, mut w3] =
+        acked_watchers(&cp.url, ["router-1", "router-2", "router-3"]).await;
     let e = |x| vec![ep_evidence(x)];
     // router-1's revisits reach the two others (and not router-1: that would echo back)
     w1.report_evidence(&[("v1", "a", 10, 4)]).await;
@@ -1034,11 +1038,7 @@ pub async fn revisits_reach_every_other_router_summed_per_instance(backend: Back
 }
 
 pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane(&backend).await;
     let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
 
     let mut w = Watcher::connect(&cp.url, "router-1", ep.routing_table_version).await;
@@ -1057,11 +1057,7 @@ pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
 }
 
 pub async fn concurrent_updates_lose_no_write_and_reuse_no_version(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, _cp, mut c) = control_plane(&backend).await;
     let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
 
     let mut tasks = Vec::new();
@@ -1114,11 +1110,7 @@ pub async fn concurrent_updates_lose_no_write_and_reuse_no_version(backend: Back
 pub async fn registered_instances_join_the_table_and_leave_when_their_lease_expires(
     backend: Backend,
 ) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(50), false)
-            .await;
-    let mut c = cp.client().await;
+    let (_dir, cp, mut c) = control_plane_with(&backend, Duration::from_millis(50), false).await;
     endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
     let mut w = Watcher::connect(&cp.url, "router-1", 0).await;
     w.next().await;
@@ -1188,10 +1180,7 @@ pub fn uuid_like(s: &str) {
 }
 
 pub async fn reflection_lists_the_services(backend: Backend) {
-    let dir = tempfile::tempdir().unwrap();
-    let cp =
-        InProcessControlPlane::start_on(&backend, dir.path(), Duration::from_millis(1000), false)
-            .await;
+    let (_dir, cp, _) = control_plane(&backend).await;
     // Both protocols: v1, and v1alpha, the only one grpcio-reflection and older tools speak.
     let listings = [
         ("v1", reflection_v1::list_services(&cp.url).await),
