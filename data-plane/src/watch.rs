@@ -7,8 +7,8 @@
 //! own revisits and misses per instance) when it
 //! changes, checked every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's
 //! evidence, not answered: the least cache bound per variant that the control plane's routers
-//! learnt ([`apply_fleet_bounds`]), which a router with none of its own, or one above it, takes at its next pass
-//! (see `placement::homes`), and per instance the other routers' revisits of reused prefixes and
+//! learnt ([`apply_fleet_bounds`]), which a router with none of its own, or one above it,
+//! takes at its next pass (see `placement::homes`), and per instance the other routers' revisits of reused prefixes and
 //! their misses, which join this router's own before its homes pass judges a cache
 //! ([`apply_fleet_evidence`]).
 

@@ -83,9 +83,10 @@
 //! limit that shows room); a router whose own bound is above it takes it whatever room it saw,
 //! since overflows combine by their least (one router that kept a bound of 4 learnt from copies
 //! that missed, while three placed at 2, left 4 routers at 89.9% against the ceiling's 94.1%
-//! before llama-servers whose caches held 2 of 8 documents). A bound taken is not reported back, so the fleet's bound goes once no router's own
-//! evidence holds it. Alone, each of 4 routers that see a quarter of the traffic learnt the bound
-//! from a quarter of the revisits, and they placed apart meanwhile: before 4 llama-servers whose
+//! before llama-servers whose caches held 2 of 8 documents). A bound taken is not reported
+//! back, so the fleet's bound goes once no router's own evidence holds it. Alone, each of 4
+//! routers that see a quarter of the traffic learnt the bound from a quarter of the revisits,
+//! and they placed apart meanwhile: before 4 llama-servers whose
 //! caches held 2 of 8 documents the last learnt it 5 s after the first and the fleet took 20-40 s
 //! to settle; in the placement simulation, the last learnt it 60-390 requests after the first
 //! (`four_routers_that_share_their_learnt_bounds_agree_as_soon_as_one_has_learnt`). Nor does
