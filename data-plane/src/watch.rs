@@ -2,15 +2,14 @@
 //! control plane, validates each table, swaps it in, and ACKs (or NACKs and keeps the last good
 //! one). Reconnects with exponential backoff and jitter; with the control plane gone the last good
 //! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
-//! stream the router reports its status (requests waiting per endpoint and priority, for
-//! `prefixctl endpoint describe`; the cache bounds it learnt from the engines' reports, and its
-//! own revisits and misses per instance) when it
-//! changes, checked every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's
-//! evidence, not answered: the least cache bound per variant that the control plane's routers
-//! learnt ([`apply_fleet_bounds`]), which a router with none of its own, or one above it,
-//! takes at its next pass (see `placement::homes`), and per instance the other routers' revisits of reused prefixes and
-//! their misses, which join this router's own before its homes pass judges a cache
-//! ([`apply_fleet_evidence`]).
+//! stream the router reports its status (requests waiting per endpoint and priority, for `prefixctl
+//! endpoint describe`; the cache bounds it learnt from the engines' reports, and its own revisits
+//! and misses per instance) when it changes, checked every [`STATUS_EVERY`]. A response with no
+//! nonce and no table is the fleet's evidence, not answered: the least cache bound per variant that
+//! the control plane's routers learnt ([`apply_fleet_bounds`]), which a router with none of its
+//! own, or one above it, takes at its next pass (see `placement::homes`), and per instance the
+//! other routers' revisits of reused prefixes and their misses, which join this router's own before
+//! its homes pass judges a cache ([`apply_fleet_evidence`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
