@@ -1462,7 +1462,11 @@ fn a_router_whose_bound_is_above_the_fleets_takes_the_fleets() {
         assert_eq!(cap, Some(expected), "own {own}, the fleet's {fleet}");
         // a bound taken is not reported back; one's own still is
         let reported = (expected == own).then_some(own);
-        assert_eq!(homes.own_capacity(), reported, "own {own}, the fleet's {fleet}");
+        assert_eq!(
+            homes.own_capacity(),
+            reported,
+            "own {own}, the fleet's {fleet}"
+        );
     }
 }
 
