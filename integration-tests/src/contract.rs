@@ -82,7 +82,7 @@ pub async fn register(
 
 /// A control plane over `backend` in a directory of its own, checking leases every second with
 /// no metrics listener, and a client of it: how most cases start. The directory goes when the
-/// first of the three drops.
+/// returned `TempDir` drops (bound first, it drops after the control plane).
 async fn control_plane(
     backend: &Backend,
 ) -> (
