@@ -54,6 +54,7 @@
 //!   earlier term that also evened each instance's count of distinct keys, a guess at its cache
 //!   footprint, is gone: relief below acts on the engines' measured misses instead.)
 //! - **Relief** (prefill, [`crate::feedback::InstanceCache`]): an instance whose revisits miss
+//!   (a window of them over [`crate::feedback::FeedbackTuning::relief_miss_limit`], a tenth)
 //!   holds more prefixes than its cache fits (hash luck can give one instance of a few more
 //!   documents than it holds while another idles); each strike sends another eighth of its keys,
 //!   picked by key hash, to the first instance of the key's ranking whose revisits hit
