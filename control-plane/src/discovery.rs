@@ -26,6 +26,12 @@
 //! reconnects, to a restarted control plane or another replica, would otherwise bring its whole
 //! history into the others' samples as if it had just happened.
 //!
+//! Each router also reports the reused prefixes its last placement pass found in its own traffic,
+//! and each watcher is sent, with the evidence, per variant the union of the other connected
+//! routers' ([`NodeRegistry::fleet_reused_for`]): a router's pass counts them with its own, and the
+//! homes it assigns depend on that set, so routers whose samples put the bar between reused and
+//! not at different prefixes would otherwise assign different homes.
+//!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
 
@@ -68,6 +74,9 @@ pub struct NodeStatus {
     /// grow (a router that reconnects, to this control plane restarted or to another replica,
     /// brings its totals since it started), left out of the fleet's sums.
     pub evidence_base: Vec<proto::CacheEvidence>,
+    /// The reused prefixes its last placement pass found per variant, as it last reported
+    /// (cleared with the queues).
+    pub reused_keys: Vec<proto::ReusedKeys>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
@@ -155,6 +164,37 @@ impl NodeRegistry {
             .collect()
     }
 
+    /// Per endpoint and variant, the union of the reused keys that the connected nodes other
+    /// than `node_id` report, sorted by endpoint and variant, each set sorted (see the module
+    /// doc).
+    pub fn fleet_reused_for(&self, node_id: &str) -> Vec<proto::ReusedKeys> {
+        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut union: std::collections::BTreeMap<(&str, &str), Vec<u64>> = Default::default();
+        for (_, s) in nodes
+            .iter()
+            .filter(|(id, s)| id.as_str() != node_id && s.streams > 0)
+        {
+            for r in &s.reused_keys {
+                let keys = union
+                    .entry((r.endpoint_name.as_str(), r.variant_name.as_str()))
+                    .or_default();
+                keys.extend_from_slice(&r.keys);
+            }
+        }
+        union
+            .into_iter()
+            .map(|((endpoint, variant), mut keys)| {
+                keys.sort_unstable();
+                keys.dedup();
+                proto::ReusedKeys {
+                    endpoint_name: endpoint.to_string(),
+                    variant_name: variant.to_string(),
+                    keys,
+                }
+            })
+            .collect()
+    }
+
     fn subscribe_bounds(&self) -> watch::Receiver<u64> {
         self.bounds_changed.subscribe()
     }
@@ -232,6 +272,7 @@ impl Drop for StreamGuard {
                 s.cache_bounds.clear();
                 s.cache_evidence.clear();
                 s.evidence_base.clear();
+                s.reused_keys.clear();
             }
         });
     }
@@ -358,6 +399,7 @@ impl Session {
                     s.evidence_base = status.cache_evidence.clone();
                 }
                 s.cache_evidence = status.cache_evidence;
+                s.reused_keys = status.reused_keys;
             }
         });
         let _guard = StreamGuard {
@@ -374,6 +416,7 @@ impl Session {
         // the fleet's bounds and evidence this router was last sent (none yet: nothing to send)
         let mut sent: Vec<proto::CacheBound> = Vec::new();
         let mut sent_evidence: Vec<proto::CacheEvidence> = Vec::new();
+        let mut sent_reused: Vec<proto::ReusedKeys> = Vec::new();
         // the evidence grows with every request: it goes at most once per tick
         let mut tick = tokio::time::interval(EVIDENCE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -390,21 +433,31 @@ impl Session {
                 // as one with none)
                 sent.clear();
                 sent_evidence.clear();
+                sent_reused.clear();
                 evidence_due = true;
             }
             self.bounds.borrow_and_update();
             let fleet = self.nodes.fleet_bounds_for(&node_id);
-            let evidence = std::mem::take(&mut evidence_due)
+            let due = std::mem::take(&mut evidence_due);
+            let evidence = due
                 .then(|| self.nodes.fleet_evidence_for(&node_id))
                 .filter(|e| *e != sent_evidence);
-            // every such message carries the evidence too (the last sent, if none is due)
-            if fleet != sent || evidence.is_some() {
+            let reused = due
+                .then(|| self.nodes.fleet_reused_for(&node_id))
+                .filter(|r| *r != sent_reused);
+            // every such message carries the evidence and the reused keys too (the last sent,
+            // if none is due)
+            if fleet != sent || evidence.is_some() || reused.is_some() {
                 if let Some(e) = evidence {
                     sent_evidence = e;
+                }
+                if let Some(r) = reused {
+                    sent_reused = r;
                 }
                 let response = WatchRoutingTableResponse {
                     fleet_cache_bounds: fleet.clone(),
                     fleet_cache_evidence: sent_evidence.clone(),
+                    fleet_reused_keys: sent_reused.clone(),
                     ..Default::default()
                 };
                 if self.tx.send(Ok(response)).await.is_err() {
@@ -453,6 +506,7 @@ impl Session {
             routing_table: table.encoded.clone(),
             fleet_cache_bounds: Vec::new(),
             fleet_cache_evidence: Vec::new(),
+            fleet_reused_keys: Vec::new(),
         };
         self.tx.send(Ok(response)).await.is_ok()
     }
@@ -481,6 +535,7 @@ impl Session {
                 s.queues = status.queues;
                 s.cache_bounds = status.cache_bounds;
                 s.cache_evidence = status.cache_evidence;
+                s.reused_keys = status.reused_keys;
             }
         });
         if answered.is_some() {

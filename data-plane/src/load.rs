@@ -252,6 +252,12 @@ pub struct Homes {
     held: ArcSwap<Vec<(u64, u32)>>,
     /// The reused keys the last pass counted (sorted).
     reused: ArcSwap<Vec<u64>>,
+    /// Those of them it found in this router's own traffic, which it reports to the control
+    /// plane (sorted).
+    own_reused: ArcSwap<Vec<u64>>,
+    /// The union of the other routers' own reused keys, as the control plane last pushed it
+    /// (sorted): the pass counts them too.
+    fleet_reused: ArcSwap<Vec<u64>>,
     /// The hot keys the last pass gave room for their copies (sorted).
     copied: ArcSwap<Vec<u64>>,
     /// The most reused keys an instance's cache was seen to hold (0: no instance overflowed).
@@ -314,6 +320,8 @@ impl Default for Homes {
             assignment: ArcSwap::from_pointee(Vec::new()),
             held: ArcSwap::from_pointee(Vec::new()),
             reused: ArcSwap::from_pointee(Vec::new()),
+            own_reused: ArcSwap::from_pointee(Vec::new()),
+            fleet_reused: ArcSwap::from_pointee(Vec::new()),
             copied: ArcSwap::from_pointee(Vec::new()),
             capacity: AtomicU32::new(0),
             calm: AtomicU32::new(0),
@@ -427,6 +435,30 @@ impl Homes {
     pub fn store_reused(&self, keys: Vec<u64>) {
         debug_assert!(keys.windows(2).all(|w| w[0] < w[1]));
         self.reused.store(Arc::new(keys));
+    }
+
+    /// The reused keys the last pass found in this router's own traffic (sorted).
+    pub fn own_reused(&self) -> Arc<Vec<u64>> {
+        self.own_reused.load_full()
+    }
+
+    /// Replaces the keys found in this router's own traffic; `keys` must be sorted.
+    pub fn store_own_reused(&self, keys: Vec<u64>) {
+        debug_assert!(keys.windows(2).all(|w| w[0] < w[1]));
+        self.own_reused.store(Arc::new(keys));
+    }
+
+    /// The other routers' reused keys, as last pushed (sorted).
+    pub fn fleet_reused(&self) -> Arc<Vec<u64>> {
+        self.fleet_reused.load_full()
+    }
+
+    /// Stores the other routers' reused keys (sorted and deduplicated here: they come from the
+    /// wire).
+    pub fn store_fleet_reused(&self, mut keys: Vec<u64>) {
+        keys.sort_unstable();
+        keys.dedup();
+        self.fleet_reused.store(Arc::new(keys));
     }
 
     /// Reused keys an instance's cache holds, as learnt (`None` until one overflowed).
@@ -789,6 +821,21 @@ impl VariantLoad {
     /// it reports for the fleet; asking creates no homes for a variant that has none).
     pub fn own_cache_bound(&self) -> Option<u32> {
         self.homes.get().and_then(Homes::own_capacity)
+    }
+
+    /// The reused keys this router's last homes pass found in its own traffic (what it reports
+    /// for the fleet; none if no pass ran).
+    pub fn own_reused_keys(&self) -> Option<Arc<Vec<u64>>> {
+        self.homes.get().map(Homes::own_reused)
+    }
+
+    /// Stores the union of the other routers' reused keys (see `crate::watch`), which this
+    /// router's next homes pass counts with its own.
+    pub fn store_fleet_reused(&self, keys: &[u64]) {
+        if keys.is_empty() && self.homes.get().is_none() {
+            return; // (no homes pass ran: nothing to forget)
+        }
+        self.homes().store_fleet_reused(keys.to_vec());
     }
 
     /// Stores the fleet's cache bound (the least the control plane's other routers learnt, see

@@ -3,13 +3,15 @@
 //! one). Reconnects with exponential backoff and jitter; with the control plane gone the last good
 //! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
 //! stream the router reports its status (requests waiting per endpoint and priority, for `prefixctl
-//! endpoint describe`; the cache bounds it learnt from the engines' reports, and its own revisits
-//! and misses per instance) when it changes, checked every [`STATUS_EVERY`]. A response with no
+//! endpoint describe`; the cache bounds it learnt from the engines' reports, its own revisits
+//! and misses per instance, and the reused keys its homes pass found) when it changes, checked every [`STATUS_EVERY`]. A response with no
 //! nonce and no table is the fleet's evidence, not answered: the least cache bound per variant that
 //! the control plane's routers learnt ([`apply_fleet_bounds`]), which a router with none of its
 //! own, or one above it, takes at its next pass (see `placement::homes`), and per instance the
 //! other routers' revisits of reused prefixes and their misses, which join this router's own before
-//! its homes pass judges a cache ([`apply_fleet_evidence`]).
+//! its homes pass judges a cache ([`apply_fleet_evidence`]), and per variant the union of the other
+//! routers' reused keys, which its homes pass counts with the ones it found itself
+//! ([`apply_fleet_reused`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -249,6 +251,7 @@ async fn watch_once(
                 if response.nonce.is_empty() && response.routing_table.is_empty() {
                     apply_fleet_bounds(router, &response.fleet_cache_bounds);
                     apply_fleet_evidence(router, &response.fleet_cache_evidence);
+                    apply_fleet_reused(router, &response.fleet_reused_keys);
                     continue;
                 }
                 let (answer, applied) = apply(router, node_id, response);
@@ -294,6 +297,7 @@ fn status(router: &Router) -> proto::RouterStatus {
     };
     let mut cache_bounds = Vec::new();
     let mut cache_evidence = Vec::new();
+    let mut reused_keys = Vec::new();
     for e in table.endpoints() {
         for v in e.variants() {
             if let Some(keys) = v.load().own_cache_bound() {
@@ -305,6 +309,13 @@ fn status(router: &Router) -> proto::RouterStatus {
             }
             if !v.is_prefix_aware() {
                 continue;
+            }
+            if let Some(keys) = v.load().own_reused_keys().filter(|k| !k.is_empty()) {
+                reused_keys.push(proto::ReusedKeys {
+                    endpoint_name: e.name().to_string(),
+                    variant_name: v.name().to_string(),
+                    keys: keys.to_vec(),
+                });
             }
             for i in v.instances() {
                 let (revisits, misses) = i.state().cache().own_evidence();
@@ -324,6 +335,7 @@ fn status(router: &Router) -> proto::RouterStatus {
         queues: crate::flow::endpoint_queues(table),
         cache_bounds,
         cache_evidence,
+        reused_keys,
     }
 }
 
@@ -359,6 +371,24 @@ pub(crate) fn apply_fleet_evidence(router: &Router, evidence: &[proto::CacheEvid
                 },
                 t,
             );
+        }
+    }
+}
+
+/// Stores the other routers' reused keys in the PREFIX_AWARE variants of the table (a variant
+/// not listed: none), for their next homes pass to count (see `crate::placement`'s homes).
+pub(crate) fn apply_fleet_reused(router: &Router, reused: &[proto::ReusedKeys]) {
+    let table = router.table.load();
+    let Some(table) = table.as_deref() else {
+        return;
+    };
+    for e in table.endpoints() {
+        for v in e.variants().iter().filter(|v| v.is_prefix_aware()) {
+            let keys = reused
+                .iter()
+                .find(|r| r.endpoint_name == e.name() && r.variant_name == v.name())
+                .map_or(&[][..], |r| &r.keys[..]);
+            v.load().store_fleet_reused(keys);
         }
     }
 }
@@ -576,6 +606,32 @@ mod tests {
         assert!(!v1.load().feedback().take_pass_due(), "v1's 3 is under 4");
         assert!(v2.load().feedback().take_pass_due());
         assert_eq!(v2.load().homes().fleet_bound(), Some(5));
+    }
+
+    #[test]
+    fn a_router_reports_the_reused_keys_it_found_and_stores_the_fleets() {
+        use proto::RoutingStrategy::{PrefixAware, Random};
+        let router = router_with(&[("pa", PrefixAware), ("r", Random)]);
+        let table = router.table.load_full().unwrap();
+        let e = table.endpoint("e").unwrap();
+        let (pa, r) = (e.variant("pa").unwrap(), e.variant("r").unwrap());
+        assert!(status(&router).reused_keys.is_empty(), "no pass ran yet");
+        // what its own pass found is reported; what it took from the fleet is not
+        pa.load().homes().store_own_reused(vec![3, 8]);
+        pa.load().homes().store_reused(vec![3, 5, 8]);
+        let reused = |variant: &str, keys: &[u64]| proto::ReusedKeys {
+            endpoint_name: "e".into(),
+            variant_name: variant.into(),
+            keys: keys.to_vec(),
+        };
+        assert_eq!(status(&router).reused_keys, vec![reused("pa", &[3, 8])]);
+        // the fleet's keys are stored for the PREFIX_AWARE variant's next pass (sorted, each once)
+        apply_fleet_reused(&router, &[reused("pa", &[9, 5, 9]), reused("r", &[4])]);
+        assert_eq!(*pa.load().homes().fleet_reused(), vec![5, 9]);
+        assert_eq!(r.load().own_reused_keys(), None, "RANDOM runs no pass");
+        // a variant left out of the fleet's message has none
+        apply_fleet_reused(&router, &[]);
+        assert!(pa.load().homes().fleet_reused().is_empty());
     }
 
     #[test]

@@ -1037,6 +1037,59 @@ pub async fn revisits_reach_every_other_router_summed_per_instance(backend: Back
     cp.stop().await.unwrap();
 }
 
+fn ep_reused(variant: &str, keys: &[u64]) -> proto::ReusedKeys {
+    proto::ReusedKeys {
+        endpoint_name: "ep".into(),
+        variant_name: variant.into(),
+        keys: keys.to_vec(),
+    }
+}
+
+pub async fn reused_keys_reach_every_other_router_as_their_union(backend: Backend) {
+    let (_dir, cp, mut c) = control_plane(&backend).await;
+    endpoint_ep_over_a(&mut c, RoutingStrategy::PrefixAware).await;
+    let [mut w1, mut w2, mut w3] =
+        acked_watchers(&cp.url, ["router-1", "router-2", "router-3"]).await;
+    let report = |keys: &[u64]| proto::RouterStatus {
+        reused_keys: vec![ep_reused("v1", keys)],
+        ..Default::default()
+    };
+    // router-1's keys reach the two others (and not router-1: that would echo back)
+    w1.send_status(report(&[9, 3])).await;
+    assert_eq!(
+        w2.next_fleet().await.fleet_reused_keys,
+        vec![ep_reused("v1", &[3, 9])]
+    );
+    assert_eq!(
+        w3.next_fleet().await.fleet_reused_keys,
+        vec![ep_reused("v1", &[3, 9])]
+    );
+    // router-2's join router-1's, each key once, sorted
+    w2.send_status(report(&[3, 5])).await;
+    assert_eq!(
+        w3.next_fleet().await.fleet_reused_keys,
+        vec![ep_reused("v1", &[3, 5, 9])]
+    );
+    assert_eq!(
+        w1.next_fleet().await.fleet_reused_keys,
+        vec![ep_reused("v1", &[3, 5])]
+    );
+    // a key router-1's pass no longer finds leaves the union that only it was in
+    w1.send_status(report(&[3])).await;
+    assert_eq!(
+        w3.next_fleet().await.fleet_reused_keys,
+        vec![ep_reused("v1", &[3, 5])]
+    );
+    // router-2 gone: its keys go with it
+    drop(w2);
+    assert_eq!(
+        w3.next_fleet().await.fleet_reused_keys,
+        vec![ep_reused("v1", &[3])]
+    );
+    assert_eq!(w1.next_fleet().await.fleet_reused_keys, vec![]);
+    cp.stop().await.unwrap();
+}
+
 pub async fn reconnect_with_current_version_gets_no_resend(backend: Backend) {
     let (_dir, cp, mut c) = control_plane(&backend).await;
     let ep = endpoint_ep_over_a(&mut c, RoutingStrategy::Random).await;
@@ -1245,7 +1298,7 @@ reflection_client!(reflection_v1alpha, tonic_reflection::pb::v1alpha);
 #[macro_export]
 macro_rules! contract_suite {
     ($run:path) => {
-        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, revisits_reach_every_other_router_summed_per_instance, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
+        $crate::contract_suite!(@cases $run; configs_are_revisioned_and_endpoints_follow_them, invalid_input_is_rejected_and_nothing_is_written, watcher_gets_current_table_then_each_version_and_reports_rollout, status_reports_show_per_endpoint_until_the_stream_ends, learnt_cache_bounds_reach_every_router_as_the_least_per_variant, revisits_reach_every_other_router_summed_per_instance, reused_keys_reach_every_other_router_as_their_union, metrics_report_rpcs_watchers_and_each_nodes_lag, reconnect_with_current_version_gets_no_resend, concurrent_updates_lose_no_write_and_reuse_no_version, registered_instances_join_the_table_and_leave_when_their_lease_expires, reflection_lists_the_services);
     };
     (@cases $run:path; $($name:ident),* $(,)?) => {
         $(

@@ -54,7 +54,8 @@ pub struct Tuning {
     /// they try one more (caches can grow, and the overflow may have had another cause).
     pub home_probe_passes: u32,
     /// An overflow at an even spread of the reused keys or less bounds the caches to the even
-    /// spread only once the last pass counted at least this share of today's reused keys...
+    /// spread only once the last pass counted at least this share of today's reused keys; and a
+    /// router that shares its reused keys with others keeps a home only from such a pass.
     pub home_settled_share: f64,
     /// ...and its revisits missed more than this times the feedback's `miss_limit` (rare keys
     /// evicted by age miss a little on caches with room).

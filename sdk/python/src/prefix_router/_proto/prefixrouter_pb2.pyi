@@ -358,14 +358,26 @@ class WatchRoutingTableRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., response_nonce: _Optional[str] = ..., error_detail: _Optional[str] = ..., status: _Optional[_Union[RouterStatus, _Mapping]] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("queues", "cache_bounds", "cache_evidence")
+    __slots__ = ("queues", "cache_bounds", "cache_evidence", "reused_keys")
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    REUSED_KEYS_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
     cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
     cache_evidence: _containers.RepeatedCompositeFieldContainer[CacheEvidence]
-    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ...) -> None: ...
+    reused_keys: _containers.RepeatedCompositeFieldContainer[ReusedKeys]
+    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ..., reused_keys: _Optional[_Iterable[_Union[ReusedKeys, _Mapping]]] = ...) -> None: ...
+
+class ReusedKeys(_message.Message):
+    __slots__ = ("endpoint_name", "variant_name", "keys")
+    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    endpoint_name: str
+    variant_name: str
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, endpoint_name: _Optional[str] = ..., variant_name: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CacheEvidence(_message.Message):
     __slots__ = ("endpoint_name", "variant_name", "instance_id", "revisits", "misses")
@@ -404,15 +416,17 @@ class EndpointQueue(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ..., critical: _Optional[int] = ..., standard: _Optional[int] = ..., sheddable: _Optional[int] = ...) -> None: ...
 
 class WatchRoutingTableResponse(_message.Message):
-    __slots__ = ("version", "nonce", "routing_table", "fleet_cache_bounds", "fleet_cache_evidence")
+    __slots__ = ("version", "nonce", "routing_table", "fleet_cache_bounds", "fleet_cache_evidence", "fleet_reused_keys")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ROUTING_TABLE_FIELD_NUMBER: _ClassVar[int]
     FLEET_CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     FLEET_CACHE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    FLEET_REUSED_KEYS_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     routing_table: bytes
     fleet_cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
     fleet_cache_evidence: _containers.RepeatedCompositeFieldContainer[CacheEvidence]
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ..., fleet_cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., fleet_cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ...) -> None: ...
+    fleet_reused_keys: _containers.RepeatedCompositeFieldContainer[ReusedKeys]
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ..., fleet_cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., fleet_cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ..., fleet_reused_keys: _Optional[_Iterable[_Union[ReusedKeys, _Mapping]]] = ...) -> None: ...
