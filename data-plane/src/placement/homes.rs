@@ -164,13 +164,13 @@ pub(super) fn assign_homes(v: &Variant, t: &Tuning) {
                 .then_some((s, k))
         })
         .collect();
-    // In key order: the pass is then a function of the set of reused keys alone, which replicas
-    // that see samples of the same traffic share (their share estimates differ; the set of keys
-    // that clear the bars rarely does).
+    // In key order: the pass is then a function of the set of reused keys alone (the routers'
+    // share estimates differ).
     keys.sort_unstable_by_key(|&(_, k)| k);
     keys.dedup_by_key(|&mut (_, k)| k);
     // The keys the other routers' passes found (see the module doc) count too: each router's
-    // own set is what it found over the bar, and the bar falls among keys of nearly equal share.
+    // own set is what it found over its bar, and the bar falls among keys of nearly equal share,
+    // so the sets of replicas that see samples of the same traffic differ by a few keys.
     homes.store_own_reused(keys.iter().map(|&(_, k)| k).collect());
     let fleet = homes.fleet_reused();
     if !fleet.is_empty() {
