@@ -4,14 +4,14 @@
 //! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
 //! stream the router reports its status (requests waiting per endpoint and priority, for `prefixctl
 //! endpoint describe`; the cache bounds it learnt from the engines' reports, its own revisits
-//! and misses per instance, and the reused keys its homes pass found) when it changes, checked every [`STATUS_EVERY`]. A response with no
-//! nonce and no table is the fleet's evidence, not answered: the least cache bound per variant that
-//! the control plane's routers learnt ([`apply_fleet_bounds`]), which a router with none of its
-//! own, or one above it, takes at its next pass (see `placement::homes`), and per instance the
-//! other routers' revisits of reused prefixes and their misses, which join this router's own before
-//! its homes pass judges a cache ([`apply_fleet_evidence`]), and per variant the union of the other
-//! routers' reused keys, which its homes pass counts with the ones it found itself
-//! ([`apply_fleet_reused`]).
+//! and misses per instance, and the reused keys its homes pass found) when it changes, checked
+//! every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's evidence, not
+//! answered: the least cache bound per variant that the control plane's routers learnt
+//! ([`apply_fleet_bounds`]), which a router with none of its own, or one above it, takes at its
+//! next pass (see `placement::homes`); per instance the other routers' revisits of reused
+//! prefixes and their misses, which join this router's own before its homes pass judges a cache
+//! ([`apply_fleet_evidence`]); and per variant the union of the other routers' reused keys, which
+//! its homes pass counts with the ones it found itself ([`apply_fleet_reused`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
