@@ -795,12 +795,14 @@ impl AutoscaleRun {
     }
 }
 
-/// Fraction of keys (documents) that moved to a cold instance: whose main instance in the window
-/// after `at` served none of their requests in the window before it. A hot key spread over several
-/// instances whose busiest one changes among them has not moved (every one of them holds it);
-/// counting that too added the hot keys' share of the keys to every strategy's figure. On a
-/// leave, keys that lived on the removed instance must move and are left out: the question is
-/// how many others moved.
+/// Fraction of keys (documents) that moved: most of whose requests in the window after `at` went
+/// to instances that served none of them in the window before it (cold ones). A hot key spread
+/// over several instances whose busiest one changes among them has not moved (every one of them
+/// holds it); nor has one that gains the new instance as one more copy while most of its requests
+/// still go where it was (the least loaded, the new one is often its busiest: counted as a move,
+/// that added the 2-3 hottest of 80 documents to every join, a mean of 14.8% over 12 seeds
+/// against 12.5% for the rest). On a leave, keys that lived on the removed instance must move
+/// and are left out: the question is how many others moved.
 fn moved_keys<'a>(
     samples: &'a [Sample],
     at: Instant,
@@ -824,6 +826,15 @@ fn moved_keys<'a>(
     fn main<'a>(served: &HashMap<&'a str, u32>) -> Option<&'a str> {
         served.iter().max_by_key(|x| (*x.1, *x.0)).map(|x| *x.0)
     }
+    // The busiest of the instances that served the key after the change and not before, when
+    // they took most of its requests.
+    fn cold_main<'a>(before: &HashMap<&str, u32>, after: &HashMap<&'a str, u32>) -> Option<&'a str> {
+        let cold = || after.iter().filter(|x| !before.contains_key(x.0));
+        let total: u32 = after.values().sum();
+        (cold().map(|x| *x.1).sum::<u32>() * 2 > total)
+            .then(|| cold().max_by_key(|x| (*x.1, *x.0)).map(|x| *x.0))
+            .flatten()
+    }
     let before = served(at.checked_sub(window).unwrap_or(at), at);
     // Skip the moment of the change itself: requests already in flight finish where they were.
     let settle = window / 6;
@@ -834,10 +845,10 @@ fn moved_keys<'a>(
         if main(b).is_some_and(|i| removed == Some(i)) {
             continue;
         }
-        if let Some(a) = after.get(k).and_then(main) {
+        if let Some(a) = after.get(k).filter(|a| !a.is_empty()) {
             total += 1;
-            if !b.contains_key(a) {
-                to.push(a);
+            if let Some(to_cold) = cold_main(b, a) {
+                to.push(to_cold);
             }
         }
     }
@@ -1019,7 +1030,7 @@ mod tests {
     }
 
     #[test]
-    fn a_key_moves_only_to_an_instance_that_did_not_serve_it() {
+    fn a_key_moves_when_most_of_its_requests_go_to_instances_that_did_not_serve_it() {
         let at = Instant::now() + Duration::from_secs(100);
         let sample = |key: u64, instance: &str, secs: f64| Sample {
             client: 0,
@@ -1039,20 +1050,36 @@ mod tests {
             samples.push(sample(4, "d", t)); // on the instance that leaves
         }
         samples.push(sample(2, "b", -2.0));
+        for t in [-5.0, -4.0, -3.0] {
+            samples.push(sample(5, "b", t)); // hot key on b and c
+            samples.push(sample(5, "c", t));
+            samples.push(sample(6, "c", t)); // on c alone
+        }
         for t in [2.0, 3.0, 4.0] {
             samples.push(sample(1, "new", t));
             samples.push(sample(2, "b", t)); // now b is busiest: no cold start anywhere
             samples.push(sample(3, "c", t));
             samples.push(sample(4, "a", t));
+            // a copy on the new instance, its busiest, but most requests still go to b and c
+            samples.push(sample(5, "new", t));
+            samples.push(sample(5, "new", t + 0.5));
+            samples.push(sample(5, "b", t));
+            samples.push(sample(5, "c", t));
+            samples.push(sample(5, "c", t + 0.5));
+            // two of three to the new instance: moved, though c still serves it
+            samples.push(sample(6, "new", t));
+            samples.push(sample(6, "new", t + 0.5));
+            samples.push(sample(6, "c", t));
         }
         let window = Duration::from_secs(6);
-        // keys 1, 2, 3 and 4: only 1 (and 4, whose instance is not gone here) found a cold one
+        // of keys 1-6, 1 and 6 moved to the new instance (and 4, whose instance is not gone
+        // here, to a); 5 gained a copy and 2 changed its busiest among its holders
         let join = moved_keys(&samples, at, window, None);
         assert_eq!(join.all(), 0.5);
         // of them, key 4 went to an instance that was there before: not the join's doing
-        assert_eq!(join.not_to("new"), 0.25);
+        assert_eq!(join.not_to("new"), 1.0 / 6.0);
         // when d leaves, its key must move and is left out
-        assert_eq!(moved_keys(&samples, at, window, Some("d")).all(), 1.0 / 3.0);
+        assert_eq!(moved_keys(&samples, at, window, Some("d")).all(), 2.0 / 5.0);
     }
 
     #[test]
