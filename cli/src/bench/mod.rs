@@ -828,7 +828,10 @@ fn moved_keys<'a>(
     }
     // The busiest of the instances that served the key after the change and not before, when
     // they took most of its requests.
-    fn cold_main<'a>(before: &HashMap<&str, u32>, after: &HashMap<&'a str, u32>) -> Option<&'a str> {
+    fn cold_main<'a>(
+        before: &HashMap<&str, u32>,
+        after: &HashMap<&'a str, u32>,
+    ) -> Option<&'a str> {
         let cold = || after.iter().filter(|x| !before.contains_key(x.0));
         let total: u32 = after.values().sum();
         (cold().map(|x| *x.1).sum::<u32>() * 2 > total)
