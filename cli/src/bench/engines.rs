@@ -35,6 +35,15 @@ pub struct EngineShares {
     pub engines: Vec<EngineWindow>,
 }
 
+/// max |share - 1/n| over the `serving` engines' shares (those above zero); 0 when none served.
+pub fn share_deviation(serving: &[f64]) -> f64 {
+    let n = serving.len().max(1) as f64;
+    serving
+        .iter()
+        .map(|s| (s - 1.0 / n).abs())
+        .fold(0.0, f64::max)
+}
+
 /// Each engine's window between two scrapes (`begin` empty: from zero), with `measured` the
 /// requests that finished in the window and what their responses said.
 pub fn windows(
@@ -167,7 +176,7 @@ const HEADER: [&str; 8] = [
 /// The per-engine table printed after the summary.
 pub fn print_table(shares: &[EngineShares]) {
     println!("per engine (share of requests, share of prompt tokens, hit rate):");
-    for line in super::report::aligned(&HEADER, rows(shares)) {
+    for line in super::table::aligned(&HEADER, rows(shares)) {
         println!("{line}");
     }
 }

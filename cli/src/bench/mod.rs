@@ -12,6 +12,10 @@
 //! workload's text salt is the strategy's position + 1), so no strategy finds the documents of
 //! the one before it in the engines' caches. Hit rate and shares come from the engines' own
 //! `/metrics` counters when they have them, else from the responses (see [`engines`]).
+//!
+//! Module dependencies run one way: [`table`] and [`metrics`] are leaves; [`engines`] (per-engine
+//! windows and shares) uses [`fleet`] and [`load`]; [`timeline`] uses [`engines`]; [`report`] uses
+//! [`timeline`] and [`engines`]; this module wires them.
 
 pub mod engines;
 pub mod failures;
@@ -20,6 +24,7 @@ pub mod load;
 pub mod metrics;
 pub mod mixed;
 pub mod report;
+pub mod table;
 pub mod timeline;
 pub mod workload;
 

@@ -6,9 +6,11 @@ use anyhow::Context;
 use proto::RoutingStrategy;
 use serde::Serialize;
 
+use super::engines::share_deviation;
 use super::fleet::EngineCounters;
 use super::load::Sample;
 use super::metrics::Histogram;
+use super::table::aligned;
 use super::timeline::Timeline;
 use super::workload::Workload;
 use super::BenchArgs;
@@ -75,15 +77,6 @@ pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
     let rank = (p * (sorted.len() - 1) as f64).round() as usize;
     sorted[rank.min(sorted.len() - 1)]
-}
-
-/// max |share - 1/n| over the `serving` engines' shares (those above zero); 0 when none served.
-pub(super) fn share_deviation(serving: &[f64]) -> f64 {
-    let n = serving.len().max(1) as f64;
-    serving
-        .iter()
-        .map(|s| (s - 1.0 / n).abs())
-        .fold(0.0, f64::max)
 }
 
 /// The measured window of one strategy's run: the requests that finished in it, the engines'
@@ -386,32 +379,6 @@ fn today() -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}-{m:02}-{d:02}")
-}
-
-/// A console table: the header and the rows, each column padded to its widest cell.
-pub fn aligned(header: &[&str], rows: Vec<Vec<String>>) -> Vec<String> {
-    let widths: Vec<usize> = (0..header.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].len())
-                .chain([header[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: Vec<String>| {
-        cells
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
-            .collect::<Vec<_>>()
-            .join("  ")
-            .trim_end()
-            .to_string()
-    };
-    std::iter::once(line(header.iter().map(|s| s.to_string()).collect()))
-        .chain(rows.into_iter().map(line))
-        .collect()
 }
 
 /// The smallest and largest share of the requests an engine got, in percent (`-` without engines).

@@ -7,10 +7,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::engines;
+use super::engines::{self, share_deviation};
 use super::fleet::EngineReading;
 use super::load::{PromptUsage, Sample};
-use super::report::share_deviation;
 
 /// A window's length in simulated seconds.
 pub const WINDOW_S: f64 = 10.0;
