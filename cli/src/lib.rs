@@ -64,7 +64,7 @@ async fn run_command(cli: Cli) -> anyhow::Result<()> {
         Command::Instance(c) => commands::instance(&cli, c).await,
         Command::RoutingTable(c) => commands::routing_table(&cli, c).await,
         Command::Up(a) => up::run(a, cli.output).await,
-        Command::Bench(a) => bench::run((**a).clone()).await.map(|_| ()),
+        Command::Bench(a) => bench::run((**a).clone()).await,
         Command::Demo(a) => bench::demo(a.clone()).await,
         Command::Top(a) => top::run(a, cli.output).await,
         Command::Completions(a) => {

@@ -385,3 +385,93 @@ fn engine_sim(runtime: &tokio::runtime::Runtime, args: &[&str]) -> InProcessServ
         engine_sim::serve(l, config, stop)
     }))
 }
+
+#[test]
+fn the_shape_suite_runs_each_drawn_shape_with_every_router_and_writes_one_table() {
+    // The suite's smallest form on engine-sim: 2 shapes drawn from seed 11, each with RANDOM on
+    // one router and PREFIX_AWARE on two, each run on a fresh fleet with the shape's caches.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("shapes.json");
+    let assert = Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args([
+            "bench",
+            "--workload",
+            "shapes",
+            "--shapes",
+            "2",
+            "--seed",
+            "11",
+            "--strategies",
+            "RANDOM,PREFIX_AWARE@2",
+            "--instances",
+            "4",
+            "--warmup",
+            "5",
+            "--duration",
+            "20",
+            "--concurrency",
+            "8",
+            "--time-scale",
+            "0.1",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .assert()
+        .success();
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let top: Vec<&String> = report.as_object().unwrap().keys().collect();
+    assert_eq!(top, ["shapes", "workload"], "{report}");
+    assert_eq!(report["workload"], "shapes");
+    let shapes = report["shapes"].as_array().unwrap();
+    assert_eq!(shapes.len(), 2);
+    for (k, s) in shapes.iter().enumerate() {
+        let shape = &s["shape"];
+        assert_eq!(
+            (shape["seed"].as_u64(), shape["index"].as_u64()),
+            (Some(11), Some(k as u64))
+        );
+        let n = shape["documents_or_tenants"].as_u64().unwrap();
+        assert!((4..=64).contains(&n), "{shape}");
+        assert!(["user", "system", "multi-turn"].contains(&shape["role"].as_str().unwrap()));
+        for field in [
+            "prefix_chars",
+            "zipf_exponent",
+            "question_chars",
+            "kv_capacity_tokens",
+            "cache_ram_mib",
+        ] {
+            assert!(!shape[field].is_null(), "{field} missing in {shape}");
+        }
+        let results = s["results"].as_array().unwrap();
+        let labels: Vec<&str> = results
+            .iter()
+            .map(|r| r["strategy"].as_str().unwrap())
+            .collect();
+        assert_eq!(labels, ["RANDOM", "PREFIX_AWARE@2"]);
+        for r in results {
+            assert_eq!(r["errors"], 0, "{r}");
+            assert!(r["requests"].as_u64().unwrap() > 0, "{r}");
+            let hit = r["kv_hit_rate"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&hit), "{r}");
+            assert_eq!(r["instance_share"].as_array().unwrap().len(), 4, "{r}");
+        }
+    }
+    // one table: a header and one row per shape, every router's column in it
+    let stdout = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
+    let header = stdout
+        .lines()
+        .find(|l| l.starts_with("shape"))
+        .unwrap_or_else(|| panic!("no table: {stdout}"));
+    assert!(
+        header.contains("RANDOM req/s hit p50/p90 ms") && header.contains("PREFIX_AWARE@2 req/s"),
+        "{header}"
+    );
+    let rows = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("shape"))
+        .skip(1)
+        .filter(|l| !l.trim().is_empty())
+        .count();
+    assert_eq!(rows, 2, "{stdout}");
+}

@@ -24,6 +24,7 @@ pub mod load;
 pub mod metrics;
 pub mod mixed;
 pub mod report;
+pub mod shapes;
 pub mod table;
 pub mod timeline;
 pub mod workload;
@@ -48,9 +49,37 @@ pub struct BenchArgs {
     /// Workload to run.
     #[arg(long, value_enum, default_value = "long-context")]
     pub workload: WorkloadKind,
-    /// Strategies to compare, comma-separated (each gets a fresh fleet).
-    #[arg(long, value_delimiter = ',', default_value = "RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE", value_parser = parse_strategy)]
-    pub strategies: Vec<RoutingStrategy>,
+    /// Strategies to compare, comma-separated (each gets a fresh fleet). With --workload shapes
+    /// (default there: RANDOM,PREFIX_AWARE), `STRATEGY@N` runs that strategy on N routers (e.g.
+    /// RANDOM,PREFIX_AWARE,PREFIX_AWARE@4: one router, and four), labelled so in the report.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE",
+        default_value_if("workload", "shapes", "RANDOM,PREFIX_AWARE"),
+        value_parser = parse_strategy_run
+    )]
+    pub strategies: Vec<StrategyRun>,
+    /// --workload shapes: how many shapes to draw from --seed (shape k of a seed is the same
+    /// whatever N). Each runs with every router of --strategies and --peer-cmd on a fresh fleet
+    /// whose caches are the shape's.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub shapes: u64,
+    /// --workload shapes with --engines: the script that starts fresh engines before each run,
+    /// `CACHE_RAM_MIB=<the shape's> PATH start N FIRST_PORT` (N and FIRST_PORT: the count and the
+    /// first port of --engines; its last line of output: the engines' URLs, comma-separated),
+    /// and stops them after it (`PATH stop`); e.g. scripts/llama-server/fleet.sh.
+    #[arg(long, value_name = "PATH", requires = "engines")]
+    pub fleet_script: Option<std::path::PathBuf>,
+    /// --workload shapes: a peer router to run each shape with, `LABEL=COMMAND` (repeatable),
+    /// started by the bench in front of each run's fresh engines and killed after it. COMMAND
+    /// runs under `sh -c`; `{port}` is replaced by a free port the bench then sends to
+    /// (127.0.0.1), `{urls}` by the engines' URLs space-separated (`{urls_csv}`:
+    /// comma-separated); the run starts once its GET /health answers. E.g.
+    /// 'smg=smg launch --policy cache_aware --host 127.0.0.1 --port {port} --worker-urls {urls}'.
+    /// The table gives every other router's req/s over the best peer's.
+    #[arg(long, value_name = "LABEL=COMMAND", value_parser = shapes::parse_peer_cmd)]
+    pub peer_cmd: Vec<shapes::PeerCmd>,
     /// Model servers (engine-sim) in the fleet.
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub instances: u64,
@@ -147,6 +176,52 @@ pub struct BenchArgs {
     pub markdown: Option<std::path::PathBuf>,
 }
 
+/// One entry of `--strategies`: a strategy, and with `@N` its own number of routers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StrategyRun {
+    pub strategy: RoutingStrategy,
+    /// `STRATEGY@N`: N routers for this run (`None`: `--routers`).
+    pub routers: Option<u64>,
+}
+
+impl std::fmt::Display for StrategyRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.routers {
+            Some(n) => write!(f, "{}@{n}", self.strategy.user_name()),
+            None => f.write_str(self.strategy.user_name()),
+        }
+    }
+}
+
+impl From<RoutingStrategy> for StrategyRun {
+    fn from(strategy: RoutingStrategy) -> Self {
+        StrategyRun {
+            strategy,
+            routers: None,
+        }
+    }
+}
+
+pub fn parse_strategy_run(s: &str) -> Result<StrategyRun, String> {
+    let (name, routers) = match s.split_once('@') {
+        Some((name, n)) => {
+            let n: u64 = n
+                .parse()
+                .ok()
+                .filter(|n| (1..=16).contains(n))
+                .ok_or_else(|| {
+                    format!("invalid routers in {s:?}: expected STRATEGY@N with N in 1..=16")
+                })?;
+            (name, Some(n))
+        }
+        None => (s, None),
+    };
+    Ok(StrategyRun {
+        strategy: parse_strategy(name)?,
+        routers,
+    })
+}
+
 pub fn parse_strategy(s: &str) -> Result<RoutingStrategy, String> {
     RoutingStrategy::from_user_name(s).ok_or_else(|| {
         format!(
@@ -200,6 +275,26 @@ impl BenchArgs {
                 WorkloadKind::DOCUMENT_WORKLOADS
             );
         }
+        if self.workload == WorkloadKind::Shapes {
+            self.validate_shapes()?;
+        } else {
+            let only_shapes = [
+                (
+                    self.strategies.iter().any(|r| r.routers.is_some()),
+                    "STRATEGY@N in --strategies",
+                ),
+                (self.fleet_script.is_some(), "--fleet-script"),
+                (!self.peer_cmd.is_empty(), "--peer-cmd"),
+            ];
+            for (given, what) in only_shapes {
+                anyhow::ensure!(
+                    !given,
+                    "invalid {what} for --workload {}: only --workload shapes takes it (use \
+                     --routers, and --router-url for a router that already runs)",
+                    self.workload.name()
+                );
+            }
+        }
         if let Some(model) = &self.model {
             anyhow::ensure!(
                 !model.trim().is_empty(),
@@ -237,6 +332,35 @@ impl BenchArgs {
                     "invalid --engines: {url:?} is given twice"
                 );
             }
+        }
+        Ok(())
+    }
+
+    fn validate_shapes(&self) -> anyhow::Result<()> {
+        let refused = [
+            (self.router_url.is_some(), "--router-url", "a peer must be restarted in front of each shape's fresh engines: give its command with --peer-cmd"),
+            (self.text_salt.is_some(), "--text-salt", "every router of a shape runs on fresh engines and the same texts"),
+            (self.markdown.is_some(), "--markdown", "the suite writes its table and --out only"),
+            (self.plot.is_some(), "--plot", "the suite writes its table and --out only"),
+            (self.router_metrics.is_some(), "--router-metrics", "the suite writes its table and --out only"),
+        ];
+        for (given, flag, why) in refused {
+            anyhow::ensure!(!given, "invalid {flag} with --workload shapes: {why}");
+        }
+        anyhow::ensure!(
+            self.engines.is_empty() || self.fleet_script.is_some(),
+            "invalid --engines without --fleet-script for --workload shapes: every run needs \
+             fresh engines with the shape's cache (e.g. --fleet-script \
+             scripts/llama-server/fleet.sh)"
+        );
+        let mut labels: Vec<String> = self.strategies.iter().map(|r| r.to_string()).collect();
+        labels.extend(self.peer_cmd.iter().map(|p| p.label.clone()));
+        for (i, l) in labels.iter().enumerate() {
+            anyhow::ensure!(
+                !labels[..i].contains(l),
+                "invalid router list: {l:?} is given twice (--strategies and --peer-cmd labels \
+                 name the table's columns)"
+            );
         }
         Ok(())
     }
@@ -279,11 +403,11 @@ impl BenchArgs {
     }
 }
 
-/// Runs the benchmark and writes its outputs; returns the report.
-pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
+/// Runs the benchmark and writes its outputs.
+pub async fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     args.validate()?;
     if args.workload == WorkloadKind::MixedPriority {
-        return mixed::run(&args).await;
+        return mixed::run(&args).await.map(|_| ());
     }
     for url in &mut args.engines {
         // The router names an instance by its address as registered: keep one spelling.
@@ -293,6 +417,9 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
     if external {
         args.time_scale = 1.0;
         args.instances = args.engines.len() as u64;
+    }
+    if args.workload == WorkloadKind::Shapes {
+        return shapes::run_and_report(&args).await;
     }
     if args.model.is_none() {
         args.model = Some(match args.engines.first() {
@@ -311,11 +438,11 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
         // One run through the other router; its texts are its own (salt past any strategy's).
         args.strategies.truncate(1);
     }
-    for (i, &strategy) in args.strategies.iter().enumerate() {
+    for (i, strategy) in args.strategies.iter().map(|r| r.strategy).enumerate() {
         let (r, s) = if args.router_url.is_some() {
             let w = Arc::new(args.workload(args.salt(0)));
             let d = Arc::new(w.documents());
-            let (mut r, mut s) = run_strategy(&args, &w, &d, strategy).await?;
+            let (mut r, mut s) = run_strategy(&args, &w, &d, strategy, None).await?;
             r.strategy = args.router_label.clone();
             if let Some(s) = s.as_mut() {
                 s.strategy = args.router_label.clone();
@@ -325,9 +452,9 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
             // The engines keep running between strategies: fresh texts for each.
             let w = Arc::new(args.workload(args.salt(i)));
             let d = Arc::new(w.documents());
-            run_strategy(&args, &w, &d, strategy).await?
+            run_strategy(&args, &w, &d, strategy, None).await?
         } else {
-            run_strategy(&args, &workload, &documents, strategy).await?
+            run_strategy(&args, &workload, &documents, strategy, None).await?
         };
         results.push(r);
         shares.extend(s);
@@ -375,7 +502,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<BenchReport> {
         report::plot(&report, path)?;
         eprintln!("wrote {}", path.display());
     }
-    Ok(report)
+    Ok(())
 }
 
 /// The model id an engine serves: `data[0].id` of its `GET /v1/models`.
@@ -516,14 +643,31 @@ fn hit_rate(from: &[EngineCounters], to: &[EngineCounters]) -> f64 {
     }
 }
 
+/// One strategy's run on a fresh fleet. With `peer` (a command, its log, how long it may take
+/// to answer `/health`), the load goes to that router, started in front of the fleet's engines
+/// and stopped after the run, instead of to the bench's routers.
 async fn run_strategy(
     args: &BenchArgs,
     workload: &Arc<Workload>,
     documents: &Arc<Vec<Arc<str>>>,
     strategy: RoutingStrategy,
+    peer: Option<(&shapes::PeerCmd, std::path::PathBuf, Duration)>,
 ) -> anyhow::Result<(StrategyResult, Option<EngineShares>)> {
     let mut fleet = Fleet::start(spec(args, workload, strategy)).await?;
-    if !args.engines.is_empty() && args.strategies.first() == Some(&strategy) {
+    let peer = match peer {
+        Some((cmd, log, within)) => match cmd.start(&fleet.instance_urls(), &log, within).await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                fleet.stop().await;
+                return Err(e);
+            }
+        },
+        None => None,
+    };
+    if !args.engines.is_empty()
+        && args.workload != WorkloadKind::Shapes
+        && args.strategies.first().map(|r| r.strategy) == Some(strategy)
+    {
         for r in fleet.engine_readings().await? {
             match r.counters {
                 Some((m, _)) => {
@@ -544,9 +688,10 @@ async fn run_strategy(
     let stop_at = measure_from + measure;
 
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let targets = match &args.router_url {
-        Some(url) => vec![url.trim_end_matches('/').to_string()],
-        None => fleet.router_urls(),
+    let targets = match (&peer, &args.router_url) {
+        (Some(p), _) => vec![p.url.clone()],
+        (None, Some(url)) => vec![url.trim_end_matches('/').to_string()],
+        (None, None) => fleet.router_urls(),
     };
     let clients = tokio::spawn(load::run_clients(
         Conversations {
@@ -564,7 +709,12 @@ async fn run_strategy(
     ));
     let bar = progress(
         warmup + measure,
-        format!("{} {}", workload.kind.name(), strategy.user_name()),
+        format!(
+            "{} {}",
+            workload.kind.name(),
+            peer.as_ref()
+                .map_or(strategy.user_name(), |p| p.label.as_str())
+        ),
     );
     let mut samples: Vec<Sample> = Vec::new();
     let mut usages: Vec<PromptUsage> = Vec::new();
@@ -622,6 +772,9 @@ async fn run_strategy(
         fleet
             .write_router_metrics(dir, strategy.user_name())
             .await?;
+    }
+    if let Some(p) = peer {
+        p.stop().await;
     }
     let end = snapshot(&fleet).await?;
     timeline.record_end(end.at, end.readings.clone());
@@ -920,7 +1073,10 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let documents = Arc::new(workload.documents());
     let bench = BenchArgs {
         workload: WorkloadKind::LongContext,
-        strategies: vec![RoutingStrategy::Random],
+        strategies: vec![RoutingStrategy::Random.into()],
+        shapes: 1,
+        fleet_script: None,
+        peer_cmd: Vec::new(),
         instances: 7,
         engines: Vec::new(),
         router_url: None,
@@ -1143,6 +1299,109 @@ mod tests {
         );
         let e = invalid(&["--engines", "http://h:1", "--router-url", "r:1"]);
         assert!(e.contains("--router-url \"r:1\""), "{e}");
+    }
+
+    #[test]
+    fn shapes_flags() {
+        let s = parse(&["--workload", "shapes"]).unwrap();
+        s.validate().unwrap();
+        assert_eq!(
+            s.strategies,
+            [
+                RoutingStrategy::Random.into(),
+                RoutingStrategy::PrefixAware.into()
+            ],
+            "the shapes' default routers"
+        );
+        assert_eq!(
+            parse(&[]).unwrap().strategies.len(),
+            3,
+            "the others' default"
+        );
+        let four = parse(&[
+            "--workload",
+            "shapes",
+            "--strategies",
+            "RANDOM,PREFIX_AWARE,PREFIX_AWARE@4",
+            "--peer-cmd",
+            "smg=smg launch --port {port} --worker-urls {urls}",
+            "--peer-cmd",
+            "sglang=python3 -m sglang_router.launch_router --port {port} --worker-urls {urls}",
+        ])
+        .unwrap();
+        four.validate().unwrap();
+        let labels: Vec<String> = shapes::routers(&four).iter().map(|r| r.label()).collect();
+        assert_eq!(
+            labels,
+            ["RANDOM", "PREFIX_AWARE", "PREFIX_AWARE@4", "smg", "sglang"]
+        );
+        assert_eq!(four.strategies[2].routers, Some(4));
+        for bad in [
+            "PREFIX_AWARE@0",
+            "PREFIX_AWARE@x",
+            "PREFIX_AWARE@17",
+            "RANDO@2",
+        ] {
+            let e = parse(&["--workload", "shapes", "--strategies", bad])
+                .err()
+                .unwrap();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{e}");
+        }
+        let invalid = |args: &[&str]| parse(args).unwrap().validate().unwrap_err().to_string();
+        // the other workloads take none of the suite's flags
+        let e = invalid(&["--strategies", "PREFIX_AWARE@4"]);
+        assert!(
+            e.contains("STRATEGY@N") && e.contains("--workload long-context"),
+            "{e}"
+        );
+        let e = invalid(&["--peer-cmd", "a=x {port} {urls}"]);
+        assert!(e.contains("invalid --peer-cmd"), "{e}");
+        let e = invalid(&["--engines", "http://h:1", "--fleet-script", "f.sh"]);
+        assert!(e.contains("invalid --fleet-script"), "{e}");
+        // real engines must be fresh per run: a fleet script, and peers by command
+        let e = invalid(&["--workload", "shapes", "--engines", "http://h:1"]);
+        assert!(e.contains("without --fleet-script"), "{e}");
+        let e = invalid(&[
+            "--workload",
+            "shapes",
+            "--engines",
+            "http://h:1",
+            "--fleet-script",
+            "f.sh",
+            "--router-url",
+            "http://r:1",
+        ]);
+        assert!(
+            e.contains("--router-url with --workload shapes") && e.contains("--peer-cmd"),
+            "{e}"
+        );
+        let e = invalid(&["--workload", "shapes", "--markdown", "B.md"]);
+        assert!(e.contains("--markdown with --workload shapes"), "{e}");
+        let e = invalid(&[
+            "--workload",
+            "shapes",
+            "--strategies",
+            "RANDOM,RANDOM@1,RANDOM",
+        ]);
+        assert!(e.contains("\"RANDOM\" is given twice"), "{e}");
+        let e = invalid(&["--workload", "shapes", "--document-role", "system"]);
+        assert!(e.contains("--document-role system"), "{e}");
+        parse(&[
+            "--workload",
+            "shapes",
+            "--engines",
+            "http://127.0.0.1:8001,http://127.0.0.1:8002",
+            "--fleet-script",
+            "scripts/llama-server/fleet.sh",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        // the shapes' key: --prefix-length, else 4096 characters times --token-scale
+        let scaled = parse(&["--workload", "shapes", "--token-scale", "0.1"]).unwrap();
+        assert_eq!(shapes::prefix_length(&scaled), 410);
+        let given = parse(&["--workload", "shapes", "--prefix-length", "1000"]).unwrap();
+        assert_eq!(shapes::prefix_length(&given), 1000);
     }
 
     #[test]

@@ -34,6 +34,10 @@ pub enum WorkloadKind {
     /// critical chat tenant at 20%, and two standard tenants of 4:1 demand, with flow control on
     /// and off (see `bench::mixed`; its own phases and report).
     MixedPriority,
+    /// Many prompt shapes drawn at random from `--seed` (`--shapes N`; see `bench::shapes`):
+    /// documents or tenants, their length against `prefix_length`, the document's role,
+    /// popularity, question length and cache size, each shape run with every router.
+    Shapes,
 }
 
 impl WorkloadKind {
@@ -60,6 +64,7 @@ impl WorkloadKind {
             WorkloadKind::SystemPromptLong => "system-prompt-long",
             WorkloadKind::Autoscale => "autoscale",
             WorkloadKind::MixedPriority => "mixed-priority",
+            WorkloadKind::Shapes => "shapes",
         }
     }
 }
@@ -180,6 +185,9 @@ pub struct Workload {
     pub reply_tokens_median: f64,
     /// Output tokens of a long-context answer.
     pub answer_tokens: u32,
+    /// Document workloads: tokens of the question after the document (before its label naming
+    /// the client and the request).
+    pub question_tokens: usize,
     /// Suggested PREFIX_AWARE `prefix_length` (characters) covering the shared part plus the
     /// start of the unique part, as the reference product's docs advise.
     pub prefix_length: u32,
@@ -211,6 +219,7 @@ impl Workload {
             user_tokens_median: 0.0,
             reply_tokens_median: 0.0,
             answer_tokens: 0,
+            question_tokens: 40,
             prefix_length: 4096,
             text_salt: 0,
             document_role: DocumentRole::User,
@@ -273,8 +282,52 @@ impl Workload {
             }
             // Its requests are made by `bench::mixed`, not from these sizes.
             WorkloadKind::MixedPriority => {}
+            // Each shape sets its own sizes ([`Workload::from_shape`]); none here.
+            WorkloadKind::Shapes => {}
         }
         w
+    }
+
+    /// One shape of the shape suite as a workload: its documents (roles `user` and `system`) or
+    /// its tenants' system prompts (`multi-turn`: conversations of
+    /// [`shapes::TURNS`](super::shapes::TURNS) turns, a tenant drawn by popularity for each),
+    /// their popularity, the question (or the median user message) and the engines' KV
+    /// capacity. Its texts are seeded by the suite's seed and the shape's index.
+    pub fn from_shape(shape: &super::shapes::Shape) -> Self {
+        use super::shapes::{ShapeRole, ANSWER_TOKENS, TURNS};
+        let mut w = Workload::new(WorkloadKind::Shapes, shape.text_seed());
+        w.zipf_exponent = shape.zipf_exponent;
+        w.kv_capacity_tokens = shape.kv_capacity_tokens;
+        w.prefix_length = shape.prefix_length;
+        w.answer_tokens = ANSWER_TOKENS;
+        w.question_tokens = shape.question_tokens();
+        match shape.role {
+            ShapeRole::User | ShapeRole::System => {
+                w.documents = shape.documents_or_tenants;
+                w.document_tokens = shape.prefix_tokens();
+                w.document_role = match shape.role {
+                    ShapeRole::System => DocumentRole::System,
+                    _ => DocumentRole::User,
+                };
+            }
+            ShapeRole::MultiTurn => {
+                w.system_prompts = shape.documents_or_tenants;
+                w.system_prompt_tokens = shape.prefix_tokens();
+                (w.min_turns, w.max_turns) = TURNS;
+                w.user_tokens_median = shape.question_tokens() as f64;
+                w.reply_tokens_median = f64::from(ANSWER_TOKENS);
+            }
+        }
+        w
+    }
+
+    /// Whether each request carries one document of a pool: the document workloads, and the
+    /// shapes drawn with a document role.
+    pub fn has_documents(&self) -> bool {
+        match self.kind {
+            WorkloadKind::Shapes => self.documents > 0,
+            kind => kind.has_documents(),
+        }
     }
 
     /// The same workload with every text changed (see [`Workload::text_salt`]).
@@ -407,21 +460,17 @@ impl ClientState {
         last_reply: Option<String>,
     ) -> Request {
         self.served += 1;
-        match w.kind {
-            WorkloadKind::LongContext
-            | WorkloadKind::LongContextCalibrated
-            | WorkloadKind::Autoscale => self.next_document(w, documents),
-            WorkloadKind::Sharegpt
-            | WorkloadKind::SystemPromptChat
-            | WorkloadKind::SystemPromptLong
-            | WorkloadKind::MixedPriority => self.next_turn(w, last_reply),
+        if w.has_documents() {
+            self.next_document(w, documents)
+        } else {
+            self.next_turn(w, last_reply)
         }
     }
 
     fn next_document(&mut self, w: &Workload, documents: &[std::sync::Arc<str>]) -> Request {
         let zipf = Zipf::new(w.documents as f64, w.zipf_exponent).expect("valid Zipf parameters");
         let doc = zipf.sample(&mut self.rng) as usize - 1;
-        let question = w.text_from(&mut self.rng, 40);
+        let question = w.text_from(&mut self.rng, w.question_tokens);
         let question = format!(
             "Question from client {} #{}: {question}?",
             self.client, self.served
@@ -465,7 +514,14 @@ impl ClientState {
         if !continuing {
             self.conversations_started += 1;
             let id = (self.client as u64) << 32 | self.conversations_started;
-            let system = self.rng.random_range(0..w.system_prompts.max(1));
+            // Uniform unless the workload gives its system prompts a popularity (the shapes).
+            let system = if w.zipf_exponent > 0.0 && w.system_prompts > 1 {
+                let zipf = Zipf::new(w.system_prompts as f64, w.zipf_exponent)
+                    .expect("valid Zipf parameters");
+                zipf.sample(&mut self.rng) as usize - 1
+            } else {
+                self.rng.random_range(0..w.system_prompts.max(1))
+            };
             let turns = self.rng.random_range(w.min_turns..=w.max_turns);
             self.conversation = Some(Conversation {
                 id,
