@@ -39,24 +39,6 @@ pub struct Config {
     #[arg(long, default_value_t = 300_000)]
     pub request_timeout_ms: u64,
 
-    /// Entries in the local prefix index (hard memory cap; 0 disables it).
-    #[arg(long, default_value_t = 100_000)]
-    pub prefix_index_capacity: usize,
-
-    /// Bounded-load factor in percent: an instance takes a key only while its in-flight count is
-    /// under ceil(factor/100 * (variant in-flight + 1) / instances) + 1. (PREFIX_AWARE balances
-    /// request rates by spreading hot keys; this cap only guards against bursts.)
-    #[arg(long, default_value_t = crate::placement::DEFAULT_BALANCE_PERCENT, value_parser = clap::value_parser!(u32).range(100..=1000))]
-    pub hash_balance_factor: u32,
-
-    /// PREFIX_AWARE: a hot key with 1/n of a variant's traffic is served by this many of its first
-    /// rendezvous instances (proportionally for other shares), each request going to the least
-    /// recently loaded. Wider evens out request shares; 0 keeps every key on one instance and
-    /// leaves the balance to re-weighing whole keys. Replicas stand down by themselves while
-    /// the engines report that revisits miss (caches too small for the copies).
-    #[arg(long, default_value_t = crate::placement::DEFAULT_SPREAD, value_parser = parse_spread)]
-    pub hot_key_spread: f64,
-
     /// On shutdown, how long in-flight requests may take to finish before connections are closed.
     #[arg(long, default_value_t = 30_000)]
     pub shutdown_grace_ms: u64,
@@ -162,15 +144,6 @@ pub struct Config {
     pub telemetry: telemetry::TelemetryArgs,
 }
 
-fn parse_spread(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.0..=64.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "invalid --hot-key-spread {s:?}: expected a number in 0..=64"
-        )),
-    }
-}
-
 impl Default for Config {
     fn default() -> Self {
         <Config as clap::Parser>::parse_from(["data-plane"])
@@ -213,43 +186,22 @@ mod tests {
     use clap::Parser;
 
     #[test]
-    fn hot_key_spread_is_range_checked() {
-        assert_eq!(Config::default().hot_key_spread, 8.0);
-        let c = Config::parse_from(["data-plane", "--hot-key-spread", "0"]);
-        assert_eq!(c.hot_key_spread, 0.0);
-        for bad in ["-1", "65", "x"] {
-            let e = Config::try_parse_from(["data-plane", "--hot-key-spread", bad]).unwrap_err();
-            assert!(e.to_string().contains(bad), "{e}");
-        }
-    }
-
-    #[test]
     fn defaults_and_flags() {
         let c = Config::default();
         assert_eq!(c.listen, "127.0.0.1:8080");
         assert_eq!(c.control_plane, "http://127.0.0.1:7070");
         assert_eq!(c.max_body_bytes, 8 << 20);
         assert_eq!(c.request_timeout_ms, 300_000);
-        assert_eq!(c.prefix_index_capacity, 100_000);
-        assert_eq!(c.hash_balance_factor, 400);
         assert!(!c.resolved_node_id().is_empty());
         // one worker thread per CPU unless told
         assert_eq!(
             c.resolved_workers(),
             std::thread::available_parallelism().unwrap().get()
         );
-        let c = Config::parse_from([
-            "data-plane",
-            "--node-id",
-            "n1",
-            "--hash-balance-factor",
-            "250",
-            "--workers",
-            "3",
-        ]);
+        let c = Config::parse_from(["data-plane", "--node-id", "n1", "--workers", "3"]);
         assert_eq!(c.resolved_node_id(), "n1");
-        assert_eq!(c.hash_balance_factor, 250);
         assert_eq!(c.resolved_workers(), 3);
-        assert!(Config::try_parse_from(["data-plane", "--hash-balance-factor", "99"]).is_err());
+        // the flags of the placement rules the cost model replaced are gone, not ignored
+        assert!(Config::try_parse_from(["data-plane", "--hash-balance-factor", "250"]).is_err());
     }
 }

@@ -1,5 +1,5 @@
 //! Why an instance was chosen, as the `x-prefix-router-decision` header and the `decision` label
-//! of the request counters say it (the finer [`crate::feedback::Rule`] labels the token counters).
+//! of the request and token counters say it.
 
 use http::HeaderValue;
 
@@ -11,12 +11,12 @@ pub enum Decision {
     Random = 0,
     /// LEAST_OUTSTANDING_REQUESTS.
     LeastOutstanding = 1,
-    /// PREFIX_AWARE: the top choice was over its cap; the local index remembered where the key
-    /// spilled before, and that instance had room.
+    /// PREFIX_AWARE: the instance the prefix index says holds the longest part of the prompt.
     PrefixMatch = 2,
-    /// PREFIX_AWARE: the rendezvous top choice.
+    /// PREFIX_AWARE: a prompt no instance is known to hold, on its key's rendezvous top choice.
     PrefixHash = 3,
-    /// PREFIX_AWARE: the top choice was skipped (load cap, concurrency threshold or ejection).
+    /// PREFIX_AWARE: not the instance affinity alone would pick (its queue cost more than the
+    /// prefill elsewhere, or it was at the concurrency threshold or ejected; a retry).
     OverloadBypass = 4,
 }
 

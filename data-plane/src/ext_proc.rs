@@ -437,7 +437,10 @@ impl Exchange {
         };
         let variant = route.variant;
         let instance = &variant.instances()[route.instance];
-        let in_flight = InFlight::start(instance.state(), variant.load());
+        let mut in_flight = InFlight::start(instance.state(), variant.load());
+        if let Some(p) = route.prediction {
+            in_flight.charge(u64::from(p.miss_bytes()));
+        }
         self.router
             .metrics
             .decision(FrontDoor::ExtProc)
@@ -463,10 +466,9 @@ impl Exchange {
             outcome: Outcome {
                 scanner: UsageScanner::default(),
                 stats: Arc::clone(instance.stats()),
-                rule: route.rule,
-                visit: route.visit,
-                placed: route.placed,
-                feedback: self.router.placement.tuning().feedback,
+                decision: route.decision,
+                prediction: route.prediction,
+                tuning: *self.router.placement.tuning(),
             },
             route_headers: [
                 (X_INSTANCE, instance.header().clone()),
@@ -522,16 +524,15 @@ impl Exchange {
             Some(s) => s.iter().any(|a| a == instances[i].authority().as_str()),
         };
         if !allowed(route.instance) {
-            route.instance = (0..instances.len())
+            let to = (0..instances.len())
                 .filter(|&i| allowed(i) && !instances[i].state().is_ejected(now_ms()))
                 .min_by_key(|&i| instances[i].state().outstanding())?;
             // As for a retry: this instance was not the placement's, so its outcome says nothing
-            // of the key's placement and is not recorded as the prefix served there.
-            route.visit = crate::feedback::Visit::First;
-            route.placed = 0;
+            // of what the prefix index predicted.
+            route.moved(to, route.decision);
         }
         let mut order = vec![instances[route.instance].authority().as_str().to_string()];
-        if let Some((next, _, _)) =
+        if let Some((next, _)) =
             self.router
                 .placement
                 .choose(route.variant, route.key, Some(route.instance), now_ms())

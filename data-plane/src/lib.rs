@@ -6,14 +6,13 @@
 //!   reused across tables.
 //! - `watch`: the `WatchRoutingTable` stream: validate, `ArcSwap::store`, ACK/NACK, reconnect
 //!   with backoff, `--table-cache`.
-//! - [`prompt`]: the affinity key, hashed from the body bytes (canonical prompt text, 64-byte
-//!   chained blocks).
+//! - [`prompt`]: the affinity key and the whole prompt's blocks, hashed from the body bytes
+//!   (canonical prompt text, chained blocks).
 //! - [`placement`]: endpoint / variant / instance choice: RANDOM, LEAST_OUTSTANDING_REQUESTS,
-//!   PREFIX_AWARE (rendezvous hashing with bounded load and a [`prefix_index::PrefixIndex`]; its
-//!   objective and constants in [`placement::Tuning`]).
-//! - [`usage`]: the engines' own cache reports, read from response bodies as they pass;
-//!   [`feedback`]: the rules of PREFIX_AWARE that spend cache, closed while those reports say
-//!   their revisits miss.
+//!   PREFIX_AWARE (one cost per instance over a [`prefix_index::PrefixIndex`] and its queue;
+//!   the cost and its constants in [`placement`] and [`placement::Tuning`]).
+//! - [`usage`]: the engines' own cache reports, read from response bodies as they pass, which
+//!   teach the prefix index each instance's capacity.
 //! - [`load`]: in-flight counters (an RAII guard held until the response body ends) and passive
 //!   health (ejection after repeated failures).
 //! - `proxy`: HTTP handling: dispatch and admission (`proxy`), the request read
@@ -33,13 +32,12 @@
 //! - A request keeps the table it started with (it holds an `Arc`); a swap never blocks requests.
 //! - An invalid table is NACKed and the last good one keeps serving; with the control plane gone,
 //!   routing goes on (static stability).
-//! - Placement depends on the table, the prompt, in-flight counts, and this router's own
-//!   estimates of recent traffic and of what the engines reported; with the rules that spend
-//!   cache closed (or before any estimate), it is the plain rendezvous ranking under the
-//!   in-flight bound, so replicas with the same table send the same prompt to the same instance
-//!   while it has room.
-//! - No lock is held across an `.await`; the request path takes no global lock (the prefix index
-//!   is sharded and only touched when a key spills).
+//! - Placement depends on the table, the prompt, in-flight counts, and this router's prefix
+//!   index (what it sent where, and what the engines reported); a prompt no instance is known to
+//!   hold goes to its key's rendezvous top while that one is not loaded, so replicas with the
+//!   same table send a new prefix to the same instance.
+//! - No lock is held across an `.await`; the request path takes no global lock (one mutex per
+//!   PREFIX_AWARE variant guards its prefix index, held for microseconds).
 
 use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
@@ -56,7 +54,6 @@ mod access;
 pub mod config;
 pub mod decision;
 pub mod ext_proc;
-pub mod feedback;
 pub mod flow;
 pub mod histogram;
 pub mod load;

@@ -10,7 +10,6 @@ use std::sync::Arc;
 use telemetry::exposition::Exposition;
 
 use crate::decision::{Decision, FrontDoor};
-use crate::feedback::Rule;
 use crate::histogram::Histogram;
 use crate::route_stats::{slot_label, status_slot, STATUS_SLOTS};
 use crate::table::RoutingTable;
@@ -65,7 +64,7 @@ impl Metrics {
 
     /// The Prometheus text exposition (encoded by the `prometheus` crate, see
     /// [`telemetry::exposition`]).
-    pub fn render(&self, table: Option<&RoutingTable>, prefix_index_entries: usize) -> String {
+    pub fn render(&self, table: Option<&RoutingTable>) -> String {
         let mut out = Exposition::new();
         let mut status = String::new();
         let mut requests = out.counter(
@@ -143,27 +142,27 @@ impl Metrics {
             (
                 "prefix_router_prompt_tokens_total",
                 "Prompt tokens of routed requests as the engines reported them, by instance and \
-                 the placement rule that chose it.",
+                 the placement decision that chose it.",
                 false,
             ),
             (
                 "prefix_router_cached_prompt_tokens_total",
                 "Prompt tokens the engines reported served from their prefix cache, by instance \
-                 and the placement rule that chose it.",
+                 and the placement decision that chose it.",
                 true,
             ),
         ] {
             let mut family = out.counter(name, help);
             for (endpoint, variant, instance) in routes() {
-                for rule in Rule::ALL {
-                    let (prompt, hit) = instance.stats().usage(rule);
+                for decision in Decision::ALL {
+                    let (prompt, hit) = instance.stats().usage(decision);
                     if prompt > 0 {
                         family.sample(
                             &[
                                 ("endpoint", endpoint.name()),
                                 ("variant", variant.name()),
                                 ("instance", instance.address()),
-                                ("decision", rule.as_str()),
+                                ("decision", decision.as_str()),
                             ],
                             (if cached { hit } else { prompt }) as f64,
                         );
@@ -177,74 +176,52 @@ impl Metrics {
                     .flat_map(|e| e.variants().iter().map(move |v| (e, v)))
             })
         };
-        let mut open = out.gauge(
-            "prefix_router_placement_rule_open",
-            "1 while a PREFIX_AWARE rule that spends cache may act; 0 while the engines' reports \
-             say its copies miss (rule \"variant\": every such rule of the variant).",
-        );
-        for (endpoint, variant) in variants() {
-            if !variant.is_prefix_aware() {
-                continue;
-            }
-            let feedback = variant.load().feedback();
-            let now = crate::load::now_ms();
-            for (rule, gate) in feedback.gates() {
-                open.sample(
-                    &[
-                        ("endpoint", endpoint.name()),
-                        ("variant", variant.name()),
-                        ("rule", rule),
-                    ],
-                    f64::from(u8::from(gate.is_open(now))),
-                );
-            }
-        }
-        let mut closings = out.counter(
-            "prefix_router_placement_rule_closed_total",
-            "Times a PREFIX_AWARE rule was closed because the engines reported that its revisits miss.",
-        );
-        for (endpoint, variant) in variants() {
-            if !variant.is_prefix_aware() {
-                continue;
-            }
-            let feedback = variant.load().feedback();
-            for (rule, gate) in feedback.gates() {
-                closings.sample(
-                    &[
-                        ("endpoint", endpoint.name()),
-                        ("variant", variant.name()),
-                        ("rule", rule),
-                    ],
-                    gate.closings() as f64,
-                );
+        for (name, help, capacity) in [
+            (
+                "prefix_router_prefix_index_blocks",
+                "Prompt blocks (of 256 characters) the PREFIX_AWARE prefix index believes an \
+                 instance holds, as this router sent them.",
+                false,
+            ),
+            (
+                "prefix_router_prefix_index_capacity_blocks",
+                "The prefix index's estimate of an instance's cache, in blocks, learnt from the \
+                 engines' reports of cached tokens.",
+                true,
+            ),
+        ] {
+            let mut family = out.gauge(name, help);
+            for (endpoint, variant, instance) in routes() {
+                let Some(index) = variant.load().index_if_any() else {
+                    continue;
+                };
+                if let Some((_, used, cap)) = index
+                    .instances()
+                    .into_iter()
+                    .find(|&(id, _, _)| id == instance.id_hash())
+                {
+                    family.sample(
+                        &[
+                            ("endpoint", endpoint.name()),
+                            ("variant", variant.name()),
+                            ("instance", instance.address()),
+                        ],
+                        if capacity { cap.floor() } else { used as f64 },
+                    );
+                }
             }
         }
-        let mut bound = out.gauge(
-            "prefix_router_cache_bound_keys",
-            "Reused prompt prefixes an instance's cache was seen to hold, as this router learnt \
-             it from the engines' reports or took it from its fleet's (absent until a cache \
-             overflowed); no instance is given more of them.",
+        let mut request_bytes = out.gauge(
+            "prefix_router_request_cost_bytes",
+            "PREFIX_AWARE's queue term: one request's fixed work (decode, overhead) in prompt \
+             bytes of prefill, as learnt from requests that ran alone (the tuning's prior until \
+             then).",
         );
         for (endpoint, variant) in variants() {
-            if let Some(keys) = variant.load().homes().capacity() {
-                bound.sample(
+            if let Some(index) = variant.load().index_if_any() {
+                request_bytes.sample(
                     &[("endpoint", endpoint.name()), ("variant", variant.name())],
-                    f64::from(keys),
-                );
-            }
-        }
-        let mut fleet = out.gauge(
-            "prefix_router_fleet_cache_bound_keys",
-            "The least cache bound (prefix_router_cache_bound_keys) that the other routers on \
-             this router's control plane learnt from their own revisits, as it passed it on \
-             (absent: none known); a router with no bound of its own takes it unless its own \
-             revisits showed room above it.",
-        );
-        for (endpoint, variant) in variants() {
-            if let Some(keys) = variant.load().homes().fleet_bound() {
-                fleet.sample(
-                    &[("endpoint", endpoint.name()), ("variant", variant.name())],
-                    f64::from(keys),
+                    index.request_bytes(&crate::placement::Tuning::default()),
                 );
             }
         }
@@ -336,8 +313,14 @@ impl Metrics {
             (
                 "prefix_router_prefix_index_entries",
                 false,
-                "Entries in the local prefix index (spilled keys).",
-                prefix_index_entries as u64,
+                "Prompt blocks held in the PREFIX_AWARE prefix indexes of every variant, over \
+                 all instances (bounded per variant).",
+                table
+                    .into_iter()
+                    .flat_map(|t| t.endpoints().flat_map(|e| e.variants()))
+                    .filter_map(|v| v.load().index_if_any())
+                    .map(|i| i.len() as u64)
+                    .sum(),
             ),
         ];
         for (name, counter, help, value) in gauges {

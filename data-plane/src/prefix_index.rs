@@ -1,19 +1,37 @@
-//! `PrefixIndex`: a bounded map from a spilled key to the instance this router sent it to.
+//! `PrefixIndex`: what each instance of a PREFIX_AWARE variant is believed to hold in its prompt
+//! cache, and what a request costs there. The two inputs of the placement cost
+//! ([`crate::placement`]); one per variant, kept across table versions.
 //!
-//! When a hot key's rendezvous top choice is over its load cap, the router remembers where the
-//! key went, so the next spill goes to the SAME second instance (which now holds the KV cache)
-//! instead of scattering copies over the fleet.
+//! - **Blocks.** A prompt's whole canonical text ([`crate::prompt::prompt_blocks`]) is cut into
+//!   [`BLOCK_BYTES`]-byte blocks, each named by a hash chained over every block before it, so a
+//!   block names its whole prefix. An instance is taken to hold a block from the moment a request
+//!   whose prompt has it is placed there; its match for a prompt is the run of leading blocks it
+//!   holds (an engine can serve no later block from its cache without the earlier ones).
+//! - **LRU to a learnt capacity.** Each instance's blocks are evicted least recently used first
+//!   once they pass its capacity. The capacity is learnt from the engines' own reports of cached
+//!   prompt tokens ([`crate::usage`]): a report of fewer cached tokens than the index predicted
+//!   (it evicted what the index still lists) shrinks it to below what the index holds; a report
+//!   of more while the index is at capacity (the index evicted what the engine still holds)
+//!   grows it. A router that sees a quarter of an instance's traffic learns a quarter of its
+//!   cache: its own share, which is what it can place by.
+//! - **What a request costs.** A fit of each request's time on the engine against the prompt
+//!   bytes it had to prefill ([`LatencyFit`]), over requests that ran alone on their instance,
+//!   gives the cost of one request's fixed work (decode, overhead) in prefill bytes: the unit
+//!   that makes a queued request and an uncached prompt comparable.
 //!
-//! Memory is bounded whatever the traffic: an approximate LRU made of two generations per shard
-//! (a hit in the old generation moves the entry to the new one; when the new one is full the old
-//! one is dropped). At most `capacity` entries in total. Only the spill path touches it, and it is
-//! sharded, so no global lock sits on the request path.
+//! Memory is bounded: at most [`Tuning::index_blocks`] (block, instance) pairs per variant (an
+//! instance's capacity is at most its even share of them), each about 100 bytes with its LRU
+//! entry. One mutex per variant, held for one decision's lookups and insertions (microseconds)
+//! and for one report's update; never across an `.await`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Mutex;
 
-const SHARDS: usize = 16;
+use smallvec::SmallVec;
+
+use crate::placement::Tuning;
+pub use crate::prompt::PREFIX_BLOCK_BYTES as BLOCK_BYTES;
 
 /// Keys are already xxh3 hashes: pass them through.
 #[derive(Default)]
@@ -33,92 +51,344 @@ impl Hasher for KeyHasher {
     }
 }
 
-type Map = HashMap<u64, u64, BuildHasherDefault<KeyHasher>>;
+type Map<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
 
-#[derive(Default)]
-struct Shard {
-    young: Map,
-    old: Map,
+/// The smallest capacity a report can shrink an instance to, in blocks.
+const MIN_CAPACITY: f64 = 4.0;
+/// No table position (an instance slot of a departed instance, or not yet placed).
+const NOWHERE: u32 = u32::MAX;
+
+/// One instance holding a block: its slot, and its touch count when the block was last queued.
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    slot: u32,
+    touch: u32,
 }
 
-/// Key hash -> instance id hash, bounded by a hard entry cap.
-pub struct PrefixIndex {
-    shards: Box<[Mutex<Shard>]>,
-    /// Entries per generation per shard.
-    generation_cap: usize,
+/// One instance's blocks.
+#[derive(Debug, Default)]
+struct Slot {
+    /// The instance's id hash (0: a free slot).
+    id: u64,
+    /// Its position in the table the index last synced to.
+    at: u32,
+    /// (block, touch) in least-recently-used order; an entry whose touch is not the holder's
+    /// current one is stale (the block was touched again later, or evicted) and is skipped.
+    queue: VecDeque<(u64, u32)>,
+    /// Blocks queued so far (wrapping).
+    touches: u32,
+    /// Blocks held.
+    used: usize,
+    /// Blocks it is believed to hold at most.
+    capacity: f64,
 }
 
-impl std::fmt::Debug for PrefixIndex {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefixIndex")
-            .field("capacity", &self.capacity())
-            .field("len", &self.len())
-            .finish()
+/// What the index predicted for one placed request, held until its engine reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prediction {
+    /// The instance's id hash.
+    pub instance: u64,
+    /// Prompt bytes the index said the instance held.
+    pub cached_bytes: u32,
+    /// The prompt's length (characters of its canonical text; bytes for raw bodies).
+    pub prompt_bytes: u32,
+}
+
+impl Prediction {
+    /// The prompt bytes the engine was predicted to prefill.
+    pub fn miss_bytes(&self) -> u32 {
+        self.prompt_bytes - self.cached_bytes.min(self.prompt_bytes)
     }
+}
+
+/// The least-squares line `seconds = fixed + per_byte * miss_bytes` over the requests that ran
+/// alone on their instance, each weighing less as newer ones come (exponential decay over
+/// [`Tuning::fit_window`] requests).
+#[derive(Debug, Default, Clone)]
+pub struct LatencyFit {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl LatencyFit {
+    fn add(&mut self, miss_bytes: f64, seconds: f64, window: f64) {
+        let keep = 1.0 - 1.0 / window.max(1.0);
+        self.n = self.n * keep + 1.0;
+        self.x = self.x * keep + miss_bytes;
+        self.y = self.y * keep + seconds;
+        self.xx = self.xx * keep + miss_bytes * miss_bytes;
+        self.xy = self.xy * keep + miss_bytes * seconds;
+    }
+
+    /// One request's fixed time in prefill bytes (`fixed / per_byte`), once the samples hold
+    /// enough spread in their misses to tell the two apart, else `None`.
+    pub fn request_bytes(&self, min_samples: f64) -> Option<f64> {
+        if self.n < min_samples {
+            return None;
+        }
+        let var = self.n * self.xx - self.x * self.x;
+        // the misses must spread over at least a block or so, or the slope is noise
+        if var <= self.n * self.n * (BLOCK_BYTES as f64).powi(2) {
+            return None;
+        }
+        let per_byte = (self.n * self.xy - self.x * self.y) / var;
+        let fixed = (self.y - per_byte * self.x) / self.n;
+        (per_byte > 0.0 && fixed > 0.0).then(|| (fixed / per_byte).clamp(BLOCK_BYTES as f64, 1e9))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    blocks: Map<SmallVec<[Holder; 2]>>,
+    slots: Vec<Slot>,
+    /// The table's instance id hashes the slots were last synced to, and each one's slot.
+    ids: Vec<u64>,
+    slot_of: Vec<u32>,
+    fit: LatencyFit,
+}
+
+/// The per-instance prefix index of one PREFIX_AWARE variant (see the module doc).
+#[derive(Debug, Default)]
+pub struct PrefixIndex {
+    inner: Mutex<Inner>,
+}
+
+/// One decision's view of the index: every instance's match, capacity and use, read under the
+/// variant's lock (see [`PrefixIndex::with`]).
+pub struct View<'a> {
+    inner: &'a mut Inner,
+    tuning: &'a Tuning,
 }
 
 impl PrefixIndex {
-    /// An index of at most `capacity` entries (0 disables it).
-    pub fn new(capacity: usize) -> Self {
-        PrefixIndex {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            generation_cap: capacity / (2 * SHARDS),
+    /// Runs `f` on the index synced to the table's instances `ids` (instances gone from the
+    /// table lose their blocks; new ones start empty at the largest capacity).
+    pub fn with<R>(&self, ids: &[u64], tuning: &Tuning, f: impl FnOnce(&mut View<'_>) -> R) -> R {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.ids != ids {
+            inner.sync(ids, tuning);
         }
+        f(&mut View {
+            inner: &mut inner,
+            tuning,
+        })
     }
 
-    pub fn capacity(&self) -> usize {
-        self.generation_cap * 2 * SHARDS
-    }
-
-    fn shard(&self, key: u64) -> &Mutex<Shard> {
-        // Middle bits: hashbrown uses the low ones for buckets and the top 7 as tags.
-        &self.shards[(key >> 32) as usize % SHARDS]
-    }
-
-    pub fn get(&self, key: u64) -> Option<u64> {
-        if self.generation_cap == 0 {
-            return None;
+    /// What the engine reported for a request the index predicted: its capacity estimate
+    /// follows (see the module doc), and a request that ran alone joins the latency fit.
+    pub fn learn(&self, p: Prediction, cached_bytes: u32, alone: Option<f64>, tuning: &Tuning) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(seconds) = alone {
+            let miss = p.prompt_bytes.saturating_sub(cached_bytes) as f64;
+            inner.fit.add(miss, seconds, tuning.fit_window);
         }
-        let mut shard = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&v) = shard.young.get(&key) {
-            return Some(v);
-        }
-        let v = shard.old.remove(&key)?;
-        self.insert_young(&mut shard, key, v);
-        Some(v)
-    }
-
-    pub fn insert(&self, key: u64, instance: u64) {
-        if self.generation_cap == 0 {
+        let Some(s) = inner.slots.iter().position(|s| s.id == p.instance) else {
             return;
+        };
+        let bound = inner.bound(tuning);
+        let slot = &mut inner.slots[s];
+        let block = BLOCK_BYTES as u32;
+        if p.cached_bytes >= cached_bytes + block {
+            // the engine no longer had what the index lists: it holds less than that
+            let held = slot.capacity.min(slot.used as f64);
+            slot.capacity = (held * (1.0 - tuning.capacity_step)).max(MIN_CAPACITY);
+            inner.evict(s);
+        } else if cached_bytes >= p.cached_bytes + block && slot.used as f64 + 1.0 >= slot.capacity
+        {
+            // the engine still had what the index evicted: it holds more
+            slot.capacity = (slot.capacity * (1.0 + tuning.capacity_step) + 1.0).min(bound);
         }
-        let mut shard = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
-        shard.old.remove(&key);
-        self.insert_young(&mut shard, key, instance);
     }
 
-    fn insert_young(&self, shard: &mut Shard, key: u64, instance: u64) {
-        if shard.young.len() >= self.generation_cap && !shard.young.contains_key(&key) {
-            // Rotate: the old generation goes, the young one becomes old (capacity is kept).
-            let Shard { young, old } = shard;
-            std::mem::swap(young, old);
-            young.clear();
-        }
-        shard.young.insert(key, instance);
-    }
-
+    /// Blocks held, over all instances.
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| {
-                let s = s.lock().unwrap_or_else(|e| e.into_inner());
-                s.young.len() + s.old.len()
-            })
-            .sum()
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.slots.iter().map(|s| s.used).sum()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Per instance id hash: blocks held and the capacity estimate (blocks).
+    pub fn instances(&self) -> Vec<(u64, usize, f64)> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner
+            .slots
+            .iter()
+            .filter(|s| s.id != 0)
+            .map(|s| (s.id, s.used, s.capacity))
+            .collect()
+    }
+
+    /// One request's fixed cost in prefill bytes: learnt, else the tuning's prior.
+    pub fn request_bytes(&self, tuning: &Tuning) -> f64 {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.request_bytes(tuning)
+    }
+}
+
+impl Inner {
+    fn bound(&self, tuning: &Tuning) -> f64 {
+        (tuning.index_blocks as f64 / self.ids.len().max(1) as f64).max(MIN_CAPACITY)
+    }
+
+    fn request_bytes(&self, tuning: &Tuning) -> f64 {
+        self.fit
+            .request_bytes(tuning.fit_min_samples)
+            .unwrap_or(tuning.request_bytes)
+    }
+
+    fn sync(&mut self, ids: &[u64], tuning: &Tuning) {
+        self.ids = ids.to_vec();
+        let bound = self.bound(tuning);
+        for s in 0..self.slots.len() {
+            let slot = &mut self.slots[s];
+            slot.at = NOWHERE;
+            if slot.id != 0 && !ids.contains(&slot.id) {
+                slot.capacity = 0.0;
+                self.evict(s);
+                self.slots[s] = Slot::default();
+            }
+        }
+        self.slot_of.clear();
+        for (at, &id) in ids.iter().enumerate() {
+            let s = match self.slots.iter().position(|s| s.id == id) {
+                Some(s) => s,
+                None => {
+                    let s = match self.slots.iter().position(|s| s.id == 0) {
+                        Some(s) => s,
+                        None => {
+                            self.slots.push(Slot::default());
+                            self.slots.len() - 1
+                        }
+                    };
+                    self.slots[s] = Slot {
+                        id,
+                        capacity: bound,
+                        ..Slot::default()
+                    };
+                    s
+                }
+            };
+            self.slots[s].at = at as u32;
+            self.slots[s].capacity = self.slots[s].capacity.min(bound);
+            self.slot_of.push(s as u32);
+        }
+        for s in 0..self.slots.len() {
+            self.evict(s);
+        }
+    }
+
+    /// Evicts slot `s`'s least recently used blocks down to its capacity.
+    fn evict(&mut self, s: usize) {
+        while self.slots[s].used as f64 > self.slots[s].capacity.floor() {
+            let Some((block, touch)) = self.slots[s].queue.pop_front() else {
+                break;
+            };
+            let Some(holders) = self.blocks.get_mut(&block) else {
+                continue;
+            };
+            let Some(h) = holders
+                .iter()
+                .position(|h| h.slot == s as u32 && h.touch == touch)
+            else {
+                continue; // stale: touched again since
+            };
+            holders.swap_remove(h);
+            if holders.is_empty() {
+                self.blocks.remove(&block);
+            }
+            self.slots[s].used -= 1;
+        }
+    }
+
+    /// Queues `block` as slot `s`'s most recent.
+    fn touch(slot: &mut Slot, s: usize, block: u64, holder: &mut Holder) {
+        debug_assert_eq!(holder.slot, s as u32);
+        holder.touch = slot.touches;
+        slot.queue.push_back((block, slot.touches));
+        slot.touches = slot.touches.wrapping_add(1);
+    }
+}
+
+impl View<'_> {
+    /// Each table instance's match for a prompt of `blocks`: how many of its leading blocks the
+    /// instance holds, into `depth` (one entry per table instance).
+    pub fn matches(&self, blocks: &[u64], depth: &mut [u32]) {
+        depth.fill(0);
+        let inner = &*self.inner;
+        for (j, block) in blocks.iter().enumerate() {
+            let Some(holders) = inner.blocks.get(block) else {
+                break;
+            };
+            // an instance still matches when it held every block before this one
+            let mut still = false;
+            for h in holders {
+                let at = inner.slots[h.slot as usize].at;
+                if at != NOWHERE && depth[at as usize] == j as u32 {
+                    depth[at as usize] = j as u32 + 1;
+                    still = true;
+                }
+            }
+            if !still {
+                break;
+            }
+        }
+    }
+
+    /// Blocks instance `at` holds, and at most.
+    pub fn room(&self, at: usize) -> (usize, f64) {
+        let slot = &self.inner.slots[self.inner.slot_of[at] as usize];
+        (slot.used, slot.capacity)
+    }
+
+    /// One request's fixed cost in prefill bytes.
+    pub fn request_bytes(&self) -> f64 {
+        self.inner.request_bytes(self.tuning)
+    }
+
+    /// The prompt of `blocks` was placed on instance `at`: the blocks it held become its most
+    /// recent (unless already among its newer half, which keeps the queue short when one prefix
+    /// is sent again and again) and the rest are added, evicting its least recent past its
+    /// capacity.
+    pub fn place(&mut self, at: usize, blocks: &[u64]) {
+        let inner = &mut *self.inner;
+        let s = inner.slot_of[at] as usize;
+        let slot = &mut inner.slots[s];
+        for &block in blocks {
+            let holders = inner.blocks.entry(block).or_default();
+            match holders.iter_mut().find(|h| h.slot == s as u32) {
+                Some(h) => {
+                    let age = slot.touches.wrapping_sub(h.touch) as usize;
+                    if age * 2 >= slot.used {
+                        Inner::touch(slot, s, block, h);
+                    }
+                }
+                None => {
+                    let mut h = Holder {
+                        slot: s as u32,
+                        touch: 0,
+                    };
+                    Inner::touch(slot, s, block, &mut h);
+                    holders.push(h);
+                    slot.used += 1;
+                }
+            }
+        }
+        if slot.queue.len() > 2 * slot.used + 1024 {
+            // drop the stale entries (each live block has exactly one current entry)
+            let blocks = &inner.blocks;
+            slot.queue.retain(|&(b, t)| {
+                blocks
+                    .get(&b)
+                    .is_some_and(|hs| hs.iter().any(|h| h.slot == s as u32 && h.touch == t))
+            });
+        }
+        inner.evict(s);
     }
 }
 
@@ -126,45 +396,110 @@ impl PrefixIndex {
 mod tests {
     use super::*;
 
-    fn mix(i: u64) -> u64 {
-        xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes())
+    fn chain(seed: u64, n: usize) -> Vec<u64> {
+        (0..n as u64)
+            .map(|j| xxhash_rust::xxh3::xxh3_64(&[seed, j].map(u64::to_le_bytes).concat()))
+            .collect()
     }
 
     #[test]
-    fn remembers_and_bounds_memory() {
-        let index = PrefixIndex::new(3200);
-        index.insert(mix(1), 11);
-        assert_eq!(index.get(mix(1)), Some(11));
-        index.insert(mix(1), 12);
-        assert_eq!(index.get(mix(1)), Some(12));
-        assert_eq!(index.get(mix(2)), None);
-        for i in 0..1_000_000 {
-            index.insert(mix(i), i);
-        }
-        assert!(index.len() <= 3200, "{}", index.len());
-        assert!(index.len() >= 1600);
-        // recent keys are still there
-        for i in 1_000_000 - 50..1_000_000 {
-            assert_eq!(index.get(mix(i)), Some(i));
+    fn an_instance_matches_the_leading_blocks_it_was_sent_and_loses_the_oldest_past_capacity() {
+        let t = Tuning::default();
+        let index = PrefixIndex::default();
+        let (a, b) = (chain(1, 8), chain(2, 8));
+        let mut depth = [0u32; 2];
+        index.with(&[11, 22], &t, |v| {
+            v.place(0, &a);
+            v.place(1, &b[..3]);
+            v.matches(&a, &mut depth);
+            assert_eq!(depth, [8, 0]);
+            v.matches(&b, &mut depth);
+            assert_eq!(depth, [0, 3]);
+            // a prompt that shares only the first four blocks of a
+            let mut c = a[..4].to_vec();
+            c.extend(chain(3, 4));
+            v.matches(&c, &mut depth);
+            assert_eq!(depth, [4, 0]);
+        });
+        // the engine behind instance 11 held nothing of a's 8 predicted blocks: it holds less
+        // than the index listed, and the oldest blocks go first
+        let p = Prediction {
+            instance: 11,
+            cached_bytes: 8 * BLOCK_BYTES as u32,
+            prompt_bytes: 8 * BLOCK_BYTES as u32,
+        };
+        index.learn(p, 0, None, &t);
+        let (used, cap) = index.with(&[11, 22], &t, |v| v.room(0));
+        assert!(used < 8 && cap < 8.0, "{used} {cap}");
+        index.with(&[11, 22], &t, |v| {
+            v.matches(&a, &mut depth);
+            assert_eq!(depth[0], 0, "the first blocks were the least recent");
+        });
+        // an instance that leaves the table loses its blocks
+        index.with(&[22], &t, |v| {
+            let mut d = [0u32; 1];
+            v.matches(&b, &mut d);
+            assert_eq!(d, [3]);
+        });
+        assert_eq!(index.len(), 3);
+    }
+
+    #[test]
+    fn the_capacity_grows_when_the_engine_held_what_the_index_evicted() {
+        let t = Tuning::default();
+        let index = PrefixIndex::default();
+        let p = Prediction {
+            instance: 7,
+            cached_bytes: 4 * BLOCK_BYTES as u32,
+            prompt_bytes: 4 * BLOCK_BYTES as u32,
+        };
+        index.with(&[7], &t, |v| v.place(0, &chain(1, 40)));
+        index.learn(p, 0, None, &t); // shrinks to below 40
+        let (_, small) = index.with(&[7], &t, |v| v.room(0));
+        index.with(&[7], &t, |v| v.place(0, &chain(2, 40))); // fills it
+        let p = Prediction {
+            cached_bytes: 0,
+            ..p
+        };
+        index.learn(p, 4 * BLOCK_BYTES as u32, None, &t);
+        let (_, grown) = index.with(&[7], &t, |v| v.room(0));
+        assert!(grown > small, "{small} -> {grown}");
+    }
+
+    #[test]
+    fn memory_stays_bounded_whatever_is_placed() {
+        let t = Tuning::default();
+        let index = PrefixIndex::default();
+        let ids: Vec<u64> = (1..=4).collect();
+        index.with(&ids, &t, |v| {
+            for p in 0..(t.index_blocks / 64 + 100) as u64 {
+                v.place((p % 4) as usize, &chain(p, 128));
+            }
+        });
+        assert!(index.len() <= t.index_blocks, "{}", index.len());
+        let inner = index.inner.lock().unwrap();
+        assert!(inner.blocks.len() <= t.index_blocks);
+        for s in &inner.slots {
+            assert!(s.queue.len() <= 2 * s.used + 1024 + 128);
         }
     }
 
     #[test]
-    fn a_hit_keeps_an_entry_alive() {
-        let index = PrefixIndex::new(64); // 2 per generation per shard
-        let hot = mix(7);
-        index.insert(hot, 1);
-        for i in 100..10_000 {
-            index.insert(mix(i), i);
-            assert_eq!(index.get(hot), Some(1), "lost after {i}");
+    fn the_fit_gives_a_requests_fixed_time_in_prefill_bytes() {
+        let mut f = LatencyFit::default();
+        assert_eq!(f.request_bytes(8.0), None);
+        // 20 ms fixed, 10 us per byte: 2,000 bytes
+        for i in 0..64 {
+            let miss = (i % 8) as f64 * 1000.0;
+            f.add(miss, 0.02 + miss * 1e-5, 256.0);
         }
-    }
-
-    #[test]
-    fn zero_capacity_disables() {
-        let index = PrefixIndex::new(0);
-        index.insert(1, 2);
-        assert_eq!(index.get(1), None);
-        assert!(index.is_empty());
+        let r = f.request_bytes(8.0).unwrap();
+        assert!((r - 2000.0).abs() < 1.0, "{r}");
+        // misses that do not spread teach nothing
+        let mut g = LatencyFit::default();
+        for _ in 0..64 {
+            g.add(5000.0, 0.07, 256.0);
+        }
+        assert_eq!(g.request_bytes(8.0), None);
     }
 }

@@ -16,8 +16,10 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::Sleep;
 
-use crate::feedback::{FeedbackTuning, Rule, Visit};
+use crate::decision::Decision;
 use crate::load::{now_ms, InFlight};
+use crate::placement::Tuning;
+use crate::prefix_index::Prediction;
 use crate::route_stats::RouteStats;
 use crate::spans::{end_trace, BodyTrace};
 use crate::upstream::Conn;
@@ -100,34 +102,34 @@ pub(crate) struct UpstreamStream {
 }
 
 /// What one successful response teaches: the engine's cache report, counted for the route and
-/// the rule that placed the request, and held against the rule ([`crate::feedback`]).
+/// the decision that placed the request, and (PREFIX_AWARE) held against what the prefix index
+/// predicted.
 pub(crate) struct Outcome {
     pub(crate) scanner: UsageScanner,
     pub(crate) stats: Arc<RouteStats>,
-    pub(crate) rule: Rule,
-    pub(crate) visit: Visit,
-    /// [`crate::placement::Route::placed`].
-    pub(crate) placed: u64,
-    pub(crate) feedback: FeedbackTuning,
+    pub(crate) decision: Decision,
+    /// [`crate::placement::Route::prediction`].
+    pub(crate) prediction: Option<Prediction>,
+    pub(crate) tuning: Tuning,
 }
 
 impl Outcome {
-    /// The response ended whole: its prefix counts as served on the instance, and the engine's
-    /// report (if it sent one) is learned from.
+    /// The response ended whole: the engine's report (if it sent one) is learned from.
     pub(crate) fn learn(&self, in_flight: &InFlight) {
-        if self.placed != 0 {
-            in_flight.variant().served().insert(self.placed);
-        }
-        if let Some(report) = self.scanner.report() {
-            self.stats.record_usage(self.rule, report);
-            in_flight.variant().feedback().learn(
-                self.rule,
-                self.visit,
-                report,
-                now_ms(),
-                &self.feedback,
-                in_flight.instance().cache(),
-            );
+        let Some(report) = self.scanner.report() else {
+            return;
+        };
+        self.stats.record_usage(self.decision, report);
+        if let Some(p) = self.prediction {
+            let cached = report.cached_tokens.min(report.prompt_tokens);
+            let cached_bytes = (u64::from(p.prompt_bytes) * cached)
+                .checked_div(report.prompt_tokens)
+                .unwrap_or(0) as u32;
+            let alone = in_flight.alone().map(|d| d.as_secs_f64());
+            in_flight
+                .variant()
+                .index()
+                .learn(p, cached_bytes, alone, &self.tuning);
         }
     }
 }

@@ -6,7 +6,6 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::decision::{Decision, FrontDoor};
-use crate::feedback::Rule;
 use crate::usage::CacheReport;
 
 /// Status codes with their own counter; others are counted by class.
@@ -35,8 +34,8 @@ pub(crate) fn slot_label(slot: usize, out: &mut String) {
 #[derive(Debug)]
 pub struct RouteStats {
     counts: Box<[AtomicU64]>,
-    prompt_tokens: [AtomicU64; Rule::COUNT],
-    cached_tokens: [AtomicU64; Rule::COUNT],
+    prompt_tokens: [AtomicU64; Decision::ALL.len()],
+    cached_tokens: [AtomicU64; Decision::ALL.len()],
 }
 
 impl Default for RouteStats {
@@ -69,17 +68,18 @@ impl RouteStats {
         self.counts[Self::slot(door, decision, slot)].load(Relaxed)
     }
 
-    /// Counts what the engine reported of one request placed by `rule`.
-    pub fn record_usage(&self, rule: Rule, report: CacheReport) {
-        self.prompt_tokens[rule as usize].fetch_add(report.prompt_tokens, Relaxed);
-        self.cached_tokens[rule as usize].fetch_add(report.cached_tokens, Relaxed);
+    /// Counts what the engine reported of one request placed by `decision`.
+    pub fn record_usage(&self, decision: Decision, report: CacheReport) {
+        self.prompt_tokens[decision as usize].fetch_add(report.prompt_tokens, Relaxed);
+        self.cached_tokens[decision as usize].fetch_add(report.cached_tokens, Relaxed);
     }
 
-    /// Prompt tokens and cached prompt tokens the engine reported for requests placed by `rule`.
-    pub fn usage(&self, rule: Rule) -> (u64, u64) {
+    /// Prompt tokens and cached prompt tokens the engine reported for requests placed by
+    /// `decision`.
+    pub fn usage(&self, decision: Decision) -> (u64, u64) {
         (
-            self.prompt_tokens[rule as usize].load(Relaxed),
-            self.cached_tokens[rule as usize].load(Relaxed),
+            self.prompt_tokens[decision as usize].load(Relaxed),
+            self.cached_tokens[decision as usize].load(Relaxed),
         )
     }
 }

@@ -243,25 +243,6 @@ impl Variant {
     pub fn load(&self) -> &Arc<VariantLoad> {
         &self.load
     }
-
-    /// Takes the other routers' revisits and misses into each instance's sample (`of`: the
-    /// totals for the instance at that index, `(0, 0)` for none) and asks for the homes pass
-    /// when one now shows an overflow (see
-    /// [`crate::feedback::InstanceCache::take_fleet_evidence`]).
-    pub fn take_fleet_evidence(
-        &self,
-        of: impl Fn(usize, &Instance) -> (u64, u64),
-        t: &crate::feedback::FeedbackTuning,
-    ) {
-        let mut overflows = false;
-        for (k, i) in self.instances.iter().enumerate() {
-            let (revisits, misses) = of(k, i);
-            overflows |= i.state().cache().take_fleet_evidence(revisits, misses, t);
-        }
-        if overflows {
-            self.load.feedback().request_pass();
-        }
-    }
 }
 
 /// An endpoint: weighted production variants.

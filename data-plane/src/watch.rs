@@ -3,17 +3,10 @@
 //! one). Reconnects with exponential backoff and jitter; with the control plane gone the last good
 //! table keeps serving. `--table-cache` keeps that table on disk across restarts. On the same
 //! stream the router reports its status (requests waiting per endpoint and priority, for `prefixctl
-//! endpoint describe`; the cache bounds it learnt from the engines' reports, its own revisits
-//! and misses per instance, and the reused keys its homes pass found) when it changes, checked
-//! every [`STATUS_EVERY`]. A response with no nonce and no table is the fleet's evidence, not
-//! answered: the least cache bound per variant that the control plane's routers learnt
-//! ([`apply_fleet_bounds`]), which a router with none of its own, or one above it, takes at its
-//! next pass (see `placement::homes`); per instance the other routers' revisits of reused
-//! prefixes and their misses, which join this router's own before its homes pass judges a cache
-//! ([`apply_fleet_evidence`]); and per variant the union of the other routers' reused keys, which
-//! its homes pass counts with the ones it found itself ([`apply_fleet_reused`]).
+//! endpoint describe`) when it changes, checked every [`STATUS_EVERY`]. A response with no nonce
+//! and no table (a control plane that still passes routers' cache evidence around) is not
+//! answered and is ignored: placement needs nothing from other routers.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -249,9 +242,6 @@ async fn watch_once(
             response = inbound.message() => {
                 let Some(response) = response? else { break };
                 if response.nonce.is_empty() && response.routing_table.is_empty() {
-                    apply_fleet_bounds(router, &response.fleet_cache_bounds);
-                    apply_fleet_evidence(router, &response.fleet_cache_evidence);
-                    apply_fleet_reused(router, &response.fleet_reused_keys);
                     continue;
                 }
                 let (answer, applied) = apply(router, node_id, response);
@@ -288,126 +278,15 @@ async fn watch_once(
     Ok(())
 }
 
-/// What the router reports of itself: the requests waiting per endpoint of its table, and the
-/// cache bounds it learnt itself.
+/// What the router reports of itself: the requests waiting per endpoint of its table.
 fn status(router: &Router) -> proto::RouterStatus {
     let table = router.table.load();
     let Some(table) = table.as_deref() else {
         return proto::RouterStatus::default();
     };
-    let mut cache_bounds = Vec::new();
-    let mut cache_evidence = Vec::new();
-    let mut reused_keys = Vec::new();
-    for e in table.endpoints() {
-        for v in e.variants() {
-            if let Some(keys) = v.load().own_cache_bound() {
-                cache_bounds.push(proto::CacheBound {
-                    endpoint_name: e.name().to_string(),
-                    variant_name: v.name().to_string(),
-                    keys,
-                });
-            }
-            if !v.is_prefix_aware() {
-                continue;
-            }
-            if let Some(keys) = v.load().own_reused_keys().filter(|k| !k.is_empty()) {
-                reused_keys.push(proto::ReusedKeys {
-                    endpoint_name: e.name().to_string(),
-                    variant_name: v.name().to_string(),
-                    keys: keys.to_vec(),
-                });
-            }
-            for i in v.instances() {
-                let (revisits, misses) = i.state().cache().own_evidence();
-                if revisits > 0 {
-                    cache_evidence.push(proto::CacheEvidence {
-                        endpoint_name: e.name().to_string(),
-                        variant_name: v.name().to_string(),
-                        instance_id: i.id().to_string(),
-                        revisits,
-                        misses,
-                    });
-                }
-            }
-        }
-    }
     proto::RouterStatus {
         queues: crate::flow::endpoint_queues(table),
-        cache_bounds,
-        cache_evidence,
-        reused_keys,
-    }
-}
-
-/// Takes the other routers' revisits and misses per instance into the PREFIX_AWARE variants'
-/// samples (an instance not listed: none yet), and asks a variant for its homes pass when they
-/// say a cache overflows (see [`crate::feedback::InstanceCache::take_fleet_evidence`]).
-pub(crate) fn apply_fleet_evidence(router: &Router, evidence: &[proto::CacheEvidence]) {
-    let table = router.table.load();
-    let Some(table) = table.as_deref() else {
-        return;
-    };
-    let by_instance: HashMap<(&str, &str, &str), (u64, u64)> = evidence
-        .iter()
-        .map(|x| {
-            let at = (
-                x.endpoint_name.as_str(),
-                x.variant_name.as_str(),
-                x.instance_id.as_str(),
-            );
-            (at, (x.revisits, x.misses))
-        })
-        .collect();
-    let t = &router.placement.tuning().feedback;
-    for e in table.endpoints() {
-        for v in e.variants() {
-            if !v.is_prefix_aware() {
-                continue;
-            }
-            v.take_fleet_evidence(
-                |_, i| {
-                    let at = (e.name(), v.name(), i.id());
-                    by_instance.get(&at).copied().unwrap_or((0, 0))
-                },
-                t,
-            );
-        }
-    }
-}
-
-/// Stores the other routers' reused keys in the PREFIX_AWARE variants of the table (a variant
-/// not listed: none), for their next homes pass to count (see `crate::placement`'s homes).
-pub(crate) fn apply_fleet_reused(router: &Router, reused: &[proto::ReusedKeys]) {
-    let table = router.table.load();
-    let Some(table) = table.as_deref() else {
-        return;
-    };
-    for e in table.endpoints() {
-        for v in e.variants().iter().filter(|v| v.is_prefix_aware()) {
-            let keys = reused
-                .iter()
-                .find(|r| r.endpoint_name == e.name() && r.variant_name == v.name())
-                .map_or(&[][..], |r| &r.keys[..]);
-            v.load().store_fleet_reused(keys);
-        }
-    }
-}
-
-/// Stores the fleet's cache bounds in the variants of the table (a variant not listed has none).
-pub(crate) fn apply_fleet_bounds(router: &Router, bounds: &[proto::CacheBound]) {
-    let table = router.table.load();
-    let Some(table) = table.as_deref() else {
-        return;
-    };
-    for e in table.endpoints() {
-        for v in e.variants() {
-            let bound = bounds
-                .iter()
-                .find(|b| b.endpoint_name == e.name() && b.variant_name == v.name())
-                .map(|b| b.keys)
-                .filter(|&k| k > 0);
-            v.load().store_fleet_bound(bound);
-        }
+        ..Default::default()
     }
 }
 
@@ -551,134 +430,6 @@ mod tests {
         );
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));
-    }
-
-    /// A router serving endpoint `e` with one variant per `(name, strategy)`, each over the
-    /// same two instances.
-    fn router_with(variants: &[(&str, proto::RoutingStrategy)]) -> Router {
-        use crate::table::tests::{table, variant};
-        let config = crate::Config::default();
-        let router = Router::new(
-            &config,
-            crate::access::Access::load(&config).unwrap(),
-            crate::upstream::tls_connector(None).unwrap(),
-        );
-        let a = ["http://10.0.0.1:80", "http://10.0.0.2:80"];
-        let variants = variants.iter().map(|&(n, s)| variant(n, s, &a)).collect();
-        store(
-            &router,
-            RoutingTable::try_from(table(1, "e", variants)).unwrap(),
-        );
-        router
-    }
-
-    #[test]
-    fn a_router_reports_the_bounds_it_learnt_and_stores_the_fleets() {
-        use proto::RoutingStrategy::PrefixAware;
-        let router = router_with(&[("v1", PrefixAware), ("v2", PrefixAware)]);
-        let table = router.table.load_full().unwrap();
-        let e = table.endpoint("e").unwrap();
-        let (v1, v2) = (e.variant("v1").unwrap(), e.variant("v2").unwrap());
-        assert!(
-            status(&router).cache_bounds.is_empty(),
-            "nothing learnt yet"
-        );
-        // v1 learnt a bound from its own revisits; v2 took one from the fleet (not reported)
-        v1.load().homes().store_capacity(Some(3), 0);
-        v2.load().homes().store_capacity(Some(2), 0);
-        v2.load().homes().store_adopted(true);
-        let bound = |variant: &str, keys| proto::CacheBound {
-            endpoint_name: "e".into(),
-            variant_name: variant.into(),
-            keys,
-        };
-        assert_eq!(status(&router).cache_bounds, vec![bound("v1", 3)]);
-        // the fleet's bounds: v1's is stored, and a variant not listed has none
-        v2.load().homes().store_capacity(None, 0);
-        v2.load().store_fleet_bound(Some(4));
-        apply_fleet_bounds(&router, &[bound("v1", 2), bound("other", 7)]);
-        assert_eq!(v1.load().homes().fleet_bound(), Some(2));
-        assert_eq!(v2.load().homes().fleet_bound(), None);
-        // a variant whose own bound is above the fleet's runs its pass at the next request, to
-        // take it, and so does one with no bound; a fleet's bound above its own asks for none
-        assert!(v1.load().feedback().take_pass_due(), "v1's 3 is above 2");
-        apply_fleet_bounds(&router, &[bound("v1", 4), bound("v2", 5)]);
-        assert!(!v1.load().feedback().take_pass_due(), "v1's 3 is under 4");
-        assert!(v2.load().feedback().take_pass_due());
-        assert_eq!(v2.load().homes().fleet_bound(), Some(5));
-    }
-
-    #[test]
-    fn a_router_reports_the_reused_keys_it_found_and_stores_the_fleets() {
-        use proto::RoutingStrategy::{PrefixAware, Random};
-        let router = router_with(&[("pa", PrefixAware), ("r", Random)]);
-        let table = router.table.load_full().unwrap();
-        let e = table.endpoint("e").unwrap();
-        let (pa, r) = (e.variant("pa").unwrap(), e.variant("r").unwrap());
-        assert!(status(&router).reused_keys.is_empty(), "no pass ran yet");
-        // what its own pass found is reported; what it took from the fleet is not
-        pa.load().homes().store_own_reused(vec![3, 8]);
-        pa.load().homes().store_reused(vec![3, 5, 8]);
-        let reused = |variant: &str, keys: &[u64]| proto::ReusedKeys {
-            endpoint_name: "e".into(),
-            variant_name: variant.into(),
-            keys: keys.to_vec(),
-        };
-        assert_eq!(status(&router).reused_keys, vec![reused("pa", &[3, 8])]);
-        // the fleet's keys are stored for the PREFIX_AWARE variant's next pass (sorted, each once)
-        apply_fleet_reused(&router, &[reused("pa", &[9, 5, 9]), reused("r", &[4])]);
-        assert_eq!(*pa.load().homes().fleet_reused(), vec![5, 9]);
-        assert_eq!(r.load().own_reused_keys(), None, "RANDOM runs no pass");
-        // a variant left out of the fleet's message has none
-        apply_fleet_reused(&router, &[]);
-        assert!(pa.load().homes().fleet_reused().is_empty());
-    }
-
-    #[test]
-    fn a_router_reports_its_own_revisits_and_takes_the_fleets() {
-        use crate::feedback::tests::{HIT, MISS};
-        use crate::feedback::{Rule, Visit};
-        use proto::RoutingStrategy::{PrefixAware, Random};
-        let router = router_with(&[("pa", PrefixAware), ("r", Random)]);
-        let table = router.table.load_full().unwrap();
-        let e = table.endpoint("e").unwrap();
-        let pa = e.variant("pa").unwrap();
-        let t = router.placement.tuning().feedback;
-        assert!(status(&router).cache_evidence.is_empty(), "no revisit yet");
-        let second = &pa.instances()[1];
-        let learn = |report| {
-            pa.load().feedback().learn(
-                Rule::PrefixHash,
-                Visit::ReusedRevisit,
-                report,
-                1,
-                &t,
-                second.state().cache(),
-            )
-        };
-        learn(MISS);
-        learn(HIT);
-        let evidence = |instance: &str, revisits, misses| proto::CacheEvidence {
-            endpoint_name: "e".into(),
-            variant_name: "pa".into(),
-            instance_id: instance.into(),
-            revisits,
-            misses,
-        };
-        let id = second.id().to_string();
-        assert_eq!(status(&router).cache_evidence, vec![evidence(&id, 2, 1)]);
-        // the fleet's: a base first, then what grew joins the sample; an overflow asks for the
-        // homes pass
-        apply_fleet_evidence(&router, &[evidence(&id, 40, 10)]);
-        assert!(!pa.load().feedback().take_pass_due());
-        apply_fleet_evidence(&router, &[evidence(&id, 52, 17)]);
-        assert!(
-            pa.load().feedback().take_pass_due(),
-            "12 revisits, 7 missed"
-        );
-        assert_eq!(second.state().cache().take_miss_rate(), Some(8.0 / 14.0));
-        // what it took is not reported back
-        assert_eq!(status(&router).cache_evidence, vec![evidence(&id, 2, 1)]);
     }
 
     proptest::proptest! {

@@ -900,12 +900,6 @@ async fn documents_as_system_messages_stay_on_few_llama_servers_whose_caches_are
     let engines = measure(&prefix_aware);
     // the learning part ends here: measure the last 150 by the router's answers and the
     // engines' counters over the whole run (the counters cannot be split by request)
-    let metrics = get(&http, &format!("{router}/metrics")).await.unwrap().1;
-    let closed = metrics.lines().any(|l| {
-        l.starts_with("prefix_router_placement_rule_closed_total")
-            && l.contains("rule=\"variant\"")
-            && !l.ends_with(" 0")
-    });
     let measured_hits = |placed: &[(usize, usize, Routed)]| {
         let (mut cached, mut total) = (0u64, 0u64);
         for (i, _, r) in placed {
@@ -935,16 +929,9 @@ async fn documents_as_system_messages_stay_on_few_llama_servers_whose_caches_are
     let end = counters().await;
     let random_hit = measured_hits(&random);
     eprintln!(
-        "SMALL-CACHES PREFIX_AWARE hit {pa_hit:.3} (engines' counters, whole run {:.3}), RANDOM {random_hit:.3} ({:.3}); documents' engines {engines:?}; a rule closed: {closed}",
+        "SMALL-CACHES PREFIX_AWARE hit {pa_hit:.3} (engines' counters, whole run {:.3}), RANDOM {random_hit:.3} ({:.3}); documents' engines {engines:?}",
         hit_since(&start, &mid),
         hit_since(&mid, &end),
-    );
-    // The engines' reports close the cache-spending rules when their copies miss; a run whose
-    // copies never cost a hit has nothing to close (seen in CI: hit 0.987 in the measured half,
-    // every document on one engine, no rule closed), and is judged by what follows.
-    assert!(
-        closed || pa_hit >= 0.95,
-        "the cache-spending rules cost hits ({pa_hit:.3}) and the engines' reports did not close them:\n{metrics}"
     );
     for (d, e) in engines.iter().enumerate() {
         assert!(e.len() <= 2, "document {d} on {e:?}");

@@ -31,8 +31,6 @@ pub struct FleetSpec {
     pub strategy: RoutingStrategy,
     pub prefix_length: u32,
     pub concurrency_threshold: u32,
-    pub hash_balance_factor: Option<u32>,
-    pub hot_key_spread: Option<f64>,
     pub kv_capacity_tokens: u64,
     pub time_scale: f64,
     pub seed: u64,
@@ -207,22 +205,8 @@ impl Fleet {
                 default_endpoint: Some(ENDPOINT.into()),
                 ..data_plane::Config::default()
             };
-            if let Some(f) = spec.hash_balance_factor {
-                anyhow::ensure!(
-                    (100..=1000).contains(&f),
-                    "invalid --hash-balance-factor {f}: must be 100..=1000"
-                );
-                config.hash_balance_factor = f;
-            }
             if let Some(f) = spec.flow_control {
                 config.flow_control = f;
-            }
-            if let Some(s) = spec.hot_key_spread {
-                anyhow::ensure!(
-                    (0.0..=64.0).contains(&s),
-                    "invalid --hot-key-spread {s}: must be 0..=64"
-                );
-                config.hot_key_spread = s;
             }
             fleet.routers.push(spawn_server(url, move |rx| {
                 data_plane::serve(l, config, async move {

@@ -249,8 +249,6 @@ async fn phase(
         strategy: RoutingStrategy::PrefixAware,
         prefix_length: 256,
         concurrency_threshold: slots(args),
-        hash_balance_factor: None,
-        hot_key_spread: None,
         kv_capacity_tokens: 200_000,
         time_scale: args.time_scale,
         seed: args.seed,

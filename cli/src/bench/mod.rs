@@ -159,12 +159,6 @@ pub struct BenchArgs {
     /// PREFIX_AWARE concurrency_threshold.
     #[arg(long, default_value_t = 64)]
     pub concurrency_threshold: u32,
-    /// Routers' bounded-load factor in percent (data-plane --hash-balance-factor; default: the router's).
-    #[arg(long)]
-    pub hash_balance_factor: Option<u32>,
-    /// Routers' hot-key spread (data-plane --hot-key-spread; default: the router's).
-    #[arg(long)]
-    pub hot_key_spread: Option<f64>,
     /// Write the results as JSON here.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
@@ -581,8 +575,6 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
         strategy,
         prefix_length: args.prefix_length.unwrap_or(workload.prefix_length),
         concurrency_threshold: args.concurrency_threshold,
-        hash_balance_factor: args.hash_balance_factor,
-        hot_key_spread: args.hot_key_spread,
         kv_capacity_tokens: workload.kv_capacity_tokens,
         time_scale: args.time_scale,
         seed: args.seed,
@@ -1095,8 +1087,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         seed: args.seed,
         prefix_length: None,
         concurrency_threshold: 64,
-        hash_balance_factor: None,
-        hot_key_spread: None,
         out: None,
         plot: None,
         markdown: None,

@@ -181,8 +181,6 @@ impl BenchReport {
             "seed": args.seed,
             "prefix_length": args.prefix_length.unwrap_or(workload.prefix_length),
             "concurrency_threshold": args.concurrency_threshold,
-            "hash_balance_factor": args.hash_balance_factor,
-            "hot_key_spread": args.hot_key_spread,
             "document_role": workload.document_role,
             "cache_regime": workload.cache_regime,
             "model": args.model,

@@ -114,6 +114,64 @@ pub fn prompt_key(kind: BodyKind, body: &[u8], prefix_length: usize, seed: u64) 
     key.unwrap_or_else(|| raw_key(body, prefix_length, seed))
 }
 
+/// Bytes per block of [`prompt_blocks`].
+pub const PREFIX_BLOCK_BYTES: usize = 256;
+
+/// The whole prompt of a request as the chained hashes of its [`PREFIX_BLOCK_BYTES`]-byte
+/// blocks: `out[j]` names the prompt's first `(j + 1) * PREFIX_BLOCK_BYTES` bytes, so two
+/// prompts share `out[..d]` exactly when they share that prefix (a trailing partial block is
+/// not named). The prompt is the body from its top-level `messages` (every message, the earlier
+/// turns a conversation resends included), `prompt` or `input` value on, as sent: a client
+/// resends the same messages as the same bytes, and hashing them as they are costs a few
+/// microseconds for 32 KiB where decoding them costs ten times that. What follows the value
+/// (other fields, the closing brace) comes after the point where two turns of a conversation
+/// part anyway. Other bodies: their raw bytes. At most `max_bytes` are read. Returns the
+/// prompt's length in bytes. `out` is cleared first and only grows: no allocation once it has
+/// room.
+pub fn prompt_blocks(
+    kind: BodyKind,
+    body: &[u8],
+    seed: u64,
+    max_bytes: usize,
+    out: &mut Vec<u64>,
+) -> usize {
+    let span = match kind {
+        BodyKind::OpenAi => prompt_value(body),
+        BodyKind::Responses | BodyKind::Raw => None,
+    };
+    let prompt = match span {
+        Some(start) => &body[start..],
+        None => body,
+    };
+    let prompt = &prompt[..prompt.len().min(max_bytes)];
+    out.clear();
+    let mut chain = seed;
+    for block in prompt.chunks_exact(PREFIX_BLOCK_BYTES) {
+        chain = xxh3_64_with_seed(block, chain);
+        out.push(chain);
+    }
+    prompt.len()
+}
+
+/// Where the top-level `messages`, `prompt` or `input` value of a JSON object starts.
+fn prompt_value(body: &[u8]) -> Option<usize> {
+    let mut s = Scan::new(body);
+    if !s.eat(b'{') || s.eat(b'}') {
+        return None;
+    }
+    loop {
+        let k = s.key()?;
+        s.ws();
+        if s.is(k, "messages") || s.is(k, "prompt") || s.is(k, "input") {
+            return Some(s.pos);
+        }
+        s.skip_value()?;
+        if !s.next_or_close(b'}')? {
+            return None;
+        }
+    }
+}
+
 /// The conversation key of a chat whose [`prompt_key`] is `head_only`: the whole head (up to
 /// [`DEEP_HEAD_CHARS`]) and `prefix_length` characters of the first user message. `None` when
 /// the body has no such key (not a chat, no user message, or a head longer than the bound).

@@ -20,7 +20,6 @@ use tracing::Span;
 use super::request::{strip_hop_by_hop, upstream_request};
 use super::{error_chain, set_route_headers, Router};
 use crate::decision::FrontDoor;
-use crate::feedback::Visit;
 use crate::load::{now_ms, InFlight};
 use crate::placement::Route;
 use crate::response::{first_frame, is_event_stream, Outcome, ResponseBody, UpstreamStream};
@@ -113,19 +112,15 @@ impl Router {
             };
             self.count_failure(instance);
             if !retried {
-                if let Some((next, decision, rule)) =
+                if let Some((next, decision)) =
                     self.placement
                         .choose(variant, route.key, Some(route.instance), now_ms())
                 {
                     retried = true;
                     self.metrics.retries.fetch_add(1, Relaxed);
                     in_flight = InFlight::start(variant.instances()[next].state(), variant.load());
-                    route.instance = next;
-                    route.decision = decision;
-                    route.rule = rule;
                     // a retry's outcome says nothing of the key's placement
-                    route.visit = Visit::First;
-                    route.placed = 0;
+                    route.moved(next, decision);
                     if !x.span.is_disabled() {
                         match &failure {
                             Failure::ServerError(a) => {
@@ -289,10 +284,9 @@ impl Router {
         let outcome = parts.status.is_success().then(|| Outcome {
             scanner: UsageScanner::default(),
             stats: Arc::clone(instance.stats()),
-            rule: route.rule,
-            visit: route.visit,
-            placed: route.placed,
-            feedback: self.placement.tuning().feedback,
+            decision: route.decision,
+            prediction: route.prediction,
+            tuning: *self.placement.tuning(),
         });
         let stream = UpstreamStream {
             pending: answer.first,

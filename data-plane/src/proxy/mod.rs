@@ -117,12 +117,7 @@ impl Router {
         Router {
             table: ArcSwapOption::empty(),
             table_applied: tokio::sync::Notify::new(),
-            placement: Placement::new(
-                config.prefix_index_capacity,
-                config.hash_balance_factor,
-                config.default_endpoint.clone(),
-            )
-            .with_hot_key_spread(config.hot_key_spread),
+            placement: Placement::new(config.default_endpoint.clone()),
             metrics: Metrics::with_workers(config.resolved_workers()),
             access,
             flow: FlowControl::new(flow::Settings {
@@ -205,9 +200,7 @@ impl Router {
             },
             "/metrics" => {
                 let table = self.table.load_full();
-                let text = self
-                    .metrics
-                    .render(table.as_deref(), self.placement.index().len());
+                let text = self.metrics.render(table.as_deref());
                 let mut r = Response::new(ResponseBody::full(text));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -416,6 +409,10 @@ impl Router {
                 }
             }
         };
+        let mut in_flight = in_flight;
+        if let Some(p) = route.prediction {
+            in_flight.charge(u64::from(p.miss_bytes()));
+        }
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
         }
@@ -620,11 +617,7 @@ impl Router {
             }
         };
         if i != route.instance {
-            route.instance = i;
-            route.decision = crate::decision::Decision::OverloadBypass;
-            route.rule = crate::feedback::Rule::OverloadBypass;
-            route.visit = crate::feedback::Visit::First;
-            route.placed = 0;
+            route.moved(i, crate::decision::Decision::OverloadBypass);
         }
         Some(place)
     }
