@@ -54,9 +54,15 @@ pub const ANSWER_TOKENS: u32 = 24;
 pub const PREFIX_LENGTH: u32 = 4096;
 
 /// llama-server's `--cache-ram` per prompt token of the bench (4 characters of its pseudo-words),
-/// in MiB, with the tiny model of `scripts/llama-server/tiny_model.py`: the figure `--cache-regime
-/// small` advises with (BENCHMARKS.md: 32 MiB held about 24 prompts of 800-token documents).
-pub const LLAMA_CPP_MIB_PER_TOKEN: f64 = super::LLAMA_CPP_MIB_PER_DOCUMENT_TOKEN;
+/// in MiB, with the tiny model of `scripts/llama-server/tiny_model.py` (2 layers, f16 KV).
+/// Measured by `scripts/llama-server/cache_ram_per_token.py` on one `fleet.sh` server (llama.cpp
+/// of llama-cpp-python 0.3.36, `-lv 4`, `CACHE_RAM_MIB=256`): chat prompts of 400 to 4,000 bench
+/// tokens (626 to 6,146 of the tokenizer's, 1.53 per bench token), each saved to the prompt cache
+/// when the next one took the slot, took 0.619 to 6.072 MiB by the server's `prompt_save` log
+/// lines: 0.001518 (largest) to 0.001548 (smallest, the chat template's share larger) MiB per
+/// bench token, 0.000988 MiB per tokenizer token. The server's one slot holds one more prompt
+/// beside the cache.
+pub const LLAMA_CPP_MIB_PER_TOKEN: f64 = 0.00153;
 
 /// A shape's role: where its shared prefix sits in the prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
