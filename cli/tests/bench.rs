@@ -475,3 +475,102 @@ fn the_shape_suite_runs_each_drawn_shape_with_every_router_and_writes_one_table(
         .count();
     assert_eq!(rows, 2, "{stdout}");
 }
+
+#[test]
+fn the_shape_suite_restarts_real_engines_through_the_fleet_script_and_stops_them_on_ctrl_c() {
+    // The fleet script stands for scripts/llama-server/fleet.sh: it records its calls and "starts"
+    // two engine-sims the test runs, printing their URLs. --engines gives the count and first port.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let engines = [engine_sim(&runtime, &[]), engine_sim(&runtime, &[])];
+    let urls = format!("{},{}", engines[0].url(), engines[1].url());
+    let dir = tempfile::tempdir().unwrap();
+    let calls = dir.path().join("calls");
+    let script = dir.path().join("fleet.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\n  start) echo \"start $2 $3 $CACHE_RAM_MIB\" >> {calls}; echo {urls} ;;\n  \
+             stop) echo stop >> {calls} ;;\nesac\n",
+            calls = calls.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = dir.path().join("shapes.json");
+    let bench = |duration: &str| {
+        let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("prefixctl"));
+        cmd.args([
+            "bench",
+            "--workload",
+            "shapes",
+            "--shapes",
+            "1",
+            "--seed",
+            "2",
+            "--engines",
+            "http://127.0.0.1:8101,http://127.0.0.1:8102",
+            "--fleet-script",
+            script.to_str().unwrap(),
+            "--strategies",
+            "RANDOM",
+            "--token-scale",
+            "0.1",
+            "--concurrency",
+            "4",
+            "--warmup",
+            "1",
+            "--duration",
+            duration,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        cmd
+    };
+    let run = bench("2").output().unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let mib = report["shapes"][0]["shape"]["cache_ram_mib"]
+        .as_u64()
+        .unwrap();
+    let r = &report["shapes"][0]["results"][0];
+    assert!(r["requests"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["instance_share"].as_array().unwrap().len(), 2, "{r}");
+    // stopped first (nothing left over), started with the shape's cache, stopped after the run
+    let log = std::fs::read_to_string(&calls).unwrap();
+    assert_eq!(log, format!("stop\nstart 2 8101 {mib}\nstop\n"));
+    // Ctrl-C in the middle of a long run: the bench stops the engines and says so
+    std::fs::remove_file(&calls).unwrap();
+    let long = bench("600")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !std::fs::read_to_string(&calls).is_ok_and(|l| l.contains("start")) {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(long.id() as i32, libc::SIGINT) };
+    let out = long.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    let log = std::fs::read_to_string(&calls).unwrap();
+    assert!(
+        log.ends_with("stop\n") && log.matches("stop").count() == 2,
+        "{log}"
+    );
+}

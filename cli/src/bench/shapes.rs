@@ -532,10 +532,9 @@ pub fn routers(args: &BenchArgs) -> Vec<Router> {
 /// How long a peer may take to answer `/health`.
 const PEER_READY_WITHIN: Duration = Duration::from_secs(120);
 
-/// Runs the suite (`args` validated and normalised by [`super::run`]).
-pub async fn run(args: &BenchArgs) -> anyhow::Result<ShapesReport> {
-    let routers = routers(args);
-    let fleet_script = args.fleet_script.as_ref().map(|path| FleetScript {
+/// `--fleet-script` with the count and first port of `--engines`.
+fn fleet_script(args: &BenchArgs) -> Option<FleetScript> {
+    args.fleet_script.as_ref().map(|path| FleetScript {
         path: path.clone(),
         engines: args.engines.len(),
         first_port: args
@@ -544,7 +543,13 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<ShapesReport> {
             .and_then(|u| u.parse::<http::Uri>().ok())
             .and_then(|u| u.port_u16())
             .unwrap_or(8001),
-    });
+    })
+}
+
+/// Runs the suite (`args` validated and normalised by [`super::run`]).
+pub async fn run(args: &BenchArgs) -> anyhow::Result<ShapesReport> {
+    let routers = routers(args);
+    let fleet_script = fleet_script(args);
     let logs = tempfile::Builder::new()
         .prefix("prefixctl-shapes-")
         .tempdir()
@@ -702,9 +707,20 @@ impl ShapesReport {
     }
 }
 
-/// Runs the suite, prints its table and writes `--out`.
+/// Runs the suite, prints its table and writes `--out`. On Ctrl-C (SIGINT) it leaves nothing
+/// running: the run in progress is dropped, which kills its peer's process group (the peers run
+/// in groups of their own, which the terminal's SIGINT does not reach), and the fleet script
+/// stops its engines.
 pub async fn run_and_report(args: &BenchArgs) -> anyhow::Result<()> {
-    let report = run(args).await?;
+    let report = tokio::select! {
+        report = run(args) => report?,
+        _ = tokio::signal::ctrl_c() => {
+            if let Some(script) = fleet_script(args) {
+                script.stop().await?;
+            }
+            anyhow::bail!("interrupted: the peer and the engines of the run in progress were stopped");
+        }
+    };
     println!(
         "workload shapes, seed {}, {} shapes (req/s; hit from the engines' counters; TTFT p50/p90 ms{})",
         args.seed,
