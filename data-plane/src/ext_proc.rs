@@ -437,10 +437,7 @@ impl Exchange {
         };
         let variant = route.variant;
         let instance = &variant.instances()[route.instance];
-        let mut in_flight = InFlight::start(instance.state(), variant.load());
-        if let Some(p) = route.prediction {
-            in_flight.charge(u64::from(p.miss_bytes()));
-        }
+        let in_flight = InFlight::start(instance.state(), variant.load());
         self.router
             .metrics
             .decision(FrontDoor::ExtProc)

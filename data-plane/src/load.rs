@@ -28,10 +28,6 @@ pub fn now_ms() -> u64 {
 #[derive(Debug, Default)]
 pub struct InstanceState {
     outstanding: AtomicU64,
-    /// Requests started on the instance so far (tells a request that ran alone).
-    starts: AtomicU64,
-    /// Prompt bytes the requests in flight were predicted to prefill (PREFIX_AWARE's queue).
-    pending_miss: AtomicU64,
     failures: AtomicU32,
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
@@ -54,16 +50,6 @@ impl InstanceState {
     /// Requests sent to the instance whose response body has not ended yet.
     pub fn outstanding(&self) -> u64 {
         self.outstanding.load(Relaxed)
-    }
-
-    /// Requests started on the instance so far.
-    pub fn starts(&self) -> u64 {
-        self.starts.load(Relaxed)
-    }
-
-    /// Prompt bytes the requests in flight were predicted to prefill.
-    pub fn pending_miss(&self) -> u64 {
-        self.pending_miss.load(Relaxed)
     }
 
     pub fn is_ejected(&self, now_ms: u64) -> bool {
@@ -142,11 +128,9 @@ impl VariantLoad {
 pub struct InFlight {
     instance: Arc<InstanceState>,
     variant: Arc<VariantLoad>,
-    /// Prompt bytes charged to the instance's pending prefill (see [`InFlight::charge`]).
-    miss: u64,
-    /// The instance had nothing in flight when this request started: its start count and the
-    /// time then.
-    alone_from: Option<(u64, Instant)>,
+    /// Requests in flight on the instance when this one started, and when that was.
+    queued: u64,
+    since: Instant,
 }
 
 impl InFlight {
@@ -167,27 +151,22 @@ impl InFlight {
     }
 
     fn started(instance: &Arc<InstanceState>, variant: &Arc<VariantLoad>, before: u64) -> Self {
-        let starts = instance.starts.fetch_add(1, Relaxed) + 1;
         InFlight {
             instance: instance.clone(),
             variant: variant.clone(),
-            miss: 0,
-            alone_from: (before == 0).then(|| (starts, Instant::now())),
+            queued: before,
+            since: Instant::now(),
         }
     }
 
-    /// Charges `miss_bytes` of predicted prefill to the instance until the request ends (the
-    /// queue term of PREFIX_AWARE's cost).
-    pub fn charge(&mut self, miss_bytes: u64) {
-        self.instance.pending_miss.fetch_add(miss_bytes, Relaxed);
-        self.miss += miss_bytes;
+    /// Requests in flight on the instance (this router's) when this one started.
+    pub fn queued(&self) -> u64 {
+        self.queued
     }
 
-    /// How long the request has run, if it ran alone on its instance so far: nothing in
-    /// flight there when it started, and nothing started since.
-    pub fn alone(&self) -> Option<Duration> {
-        let (starts, since) = self.alone_from?;
-        (starts == self.instance.starts()).then(|| since.elapsed())
+    /// How long the request has been in flight.
+    pub fn elapsed(&self) -> Duration {
+        self.since.elapsed()
     }
 
     /// [`InFlight::start`] if the instance has fewer than `limit` requests in flight and the
@@ -234,9 +213,6 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        if self.miss != 0 {
-            self.instance.pending_miss.fetch_sub(self.miss, Relaxed);
-        }
         self.instance.outstanding.fetch_sub(1, Relaxed);
         self.variant.outstanding.fetch_sub(1, Relaxed);
         // its place may go to a request waiting for one (the fence pairs with the waiter's

@@ -213,9 +213,9 @@ impl Metrics {
         }
         let mut request_bytes = out.gauge(
             "prefix_router_request_cost_bytes",
-            "PREFIX_AWARE's queue term: one request's fixed work (decode, overhead) in prompt \
-             bytes of prefill, as learnt from requests that ran alone (the tuning's prior until \
-             then).",
+            "PREFIX_AWARE's queue term: what one request in flight on an instance costs a new \
+             one there, in prompt bytes of prefill, as learnt from the engines' reports and the \
+             requests' times (the tuning's prior until then).",
         );
         for (endpoint, variant) in variants() {
             if let Some(index) = variant.load().index_if_any() {

@@ -14,10 +14,10 @@
 //!   of more while the index is at capacity (the index evicted what the engine still holds)
 //!   grows it. A router that sees a quarter of an instance's traffic learns a quarter of its
 //!   cache: its own share, which is what it can place by.
-//! - **What a request costs.** A fit of each request's time on the engine against the prompt
-//!   bytes it had to prefill ([`LatencyFit`]), over requests that ran alone on their instance,
-//!   gives the cost of one request's fixed work (decode, overhead) in prefill bytes: the unit
-//!   that makes a queued request and an uncached prompt comparable.
+//! - **What a queued request costs.** A fit of each request's time in flight against the prompt
+//!   bytes it had to prefill and the requests in flight before it ([`LatencyFit`]) gives what
+//!   one queued request costs in prefill bytes: the unit that makes a queue and an uncached
+//!   prompt comparable, for engines that serve one request at a time and for those that batch.
 //!
 //! Memory is bounded: at most [`Tuning::index_blocks`] (block, instance) pairs per variant (an
 //! instance's capacity is at most its even share of them), each about 100 bytes with its LRU
@@ -101,43 +101,73 @@ impl Prediction {
     }
 }
 
-/// The least-squares line `seconds = fixed + per_byte * miss_bytes` over the requests that ran
-/// alone on their instance, each weighing less as newer ones come (exponential decay over
-/// [`Tuning::fit_window`] requests).
+/// The least-squares plane `seconds = fixed + per_byte * miss_bytes + per_queued * queued` over
+/// the requests whose engines reported (`queued`: this router's requests in flight on the
+/// instance when the request started), each weighing less as newer ones come (exponential decay
+/// over [`Tuning::fit_window`] requests). `per_queued / per_byte` is what one queued request
+/// costs in prefill bytes: near a whole request's time on an engine that serves one at a time,
+/// far less on one that batches.
 #[derive(Debug, Default, Clone)]
 pub struct LatencyFit {
-    n: f64,
-    x: f64,
-    y: f64,
-    xx: f64,
-    xy: f64,
+    /// Weighted sums of `v v^T` and `v * seconds` for `v = (1, miss_bytes / BLOCK, queued)`.
+    vv: [[f64; 3]; 3],
+    vy: [f64; 3],
 }
 
 impl LatencyFit {
-    fn add(&mut self, miss_bytes: f64, seconds: f64, window: f64) {
+    fn add(&mut self, miss_bytes: f64, queued: f64, seconds: f64, window: f64) {
         let keep = 1.0 - 1.0 / window.max(1.0);
-        self.n = self.n * keep + 1.0;
-        self.x = self.x * keep + miss_bytes;
-        self.y = self.y * keep + seconds;
-        self.xx = self.xx * keep + miss_bytes * miss_bytes;
-        self.xy = self.xy * keep + miss_bytes * seconds;
+        let v = [1.0, miss_bytes / BLOCK_BYTES as f64, queued];
+        for (r, row) in self.vv.iter_mut().enumerate() {
+            for (c, x) in row.iter_mut().enumerate() {
+                *x = *x * keep + v[r] * v[c];
+            }
+            self.vy[r] = self.vy[r] * keep + v[r] * seconds;
+        }
     }
 
-    /// One request's fixed time in prefill bytes (`fixed / per_byte`), once the samples hold
-    /// enough spread in their misses to tell the two apart, else `None`.
-    pub fn request_bytes(&self, min_samples: f64) -> Option<f64> {
-        if self.n < min_samples {
+    /// One queued request's cost in prefill bytes (`per_queued / per_byte`), once the samples
+    /// spread enough in both misses and queues to tell the terms apart, else `None`.
+    pub fn queued_bytes(&self, min_samples: f64) -> Option<f64> {
+        let n = self.vv[0][0];
+        if n < min_samples {
             return None;
         }
-        let var = self.n * self.xx - self.x * self.x;
-        // the misses must spread over at least a block or so, or the slope is noise
-        if var <= self.n * self.n * (BLOCK_BYTES as f64).powi(2) {
+        // both must vary: by a block or so of misses, by a tenth of a request of queue
+        let var = |i: usize| self.vv[i][i] / n - (self.vv[0][i] / n).powi(2);
+        if var(1) < 1.0 || var(2) < 0.01 {
             return None;
         }
-        let per_byte = (self.n * self.xy - self.x * self.y) / var;
-        let fixed = (self.y - per_byte * self.x) / self.n;
-        (per_byte > 0.0 && fixed > 0.0).then(|| (fixed / per_byte).clamp(BLOCK_BYTES as f64, 1e9))
+        let [_, per_block, per_queued] = solve3(self.vv, self.vy)?;
+        (per_block > 0.0 && per_queued >= 0.0)
+            .then(|| (per_queued / per_block * BLOCK_BYTES as f64).clamp(0.0, 1e9))
     }
+}
+
+/// `a x = y` by Gaussian elimination with partial pivoting; `None` when `a` is singular.
+fn solve3(mut a: [[f64; 3]; 3], mut y: [f64; 3]) -> Option<[f64; 3]> {
+    for col in 0..3 {
+        let pivot = (col..3).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, pivot);
+        y.swap(col, pivot);
+        for row in col + 1..3 {
+            let f = a[row][col] / a[col][col];
+            let pivot_row = a[col];
+            for (x, p) in a[row].iter_mut().zip(pivot_row).skip(col) {
+                *x -= f * p;
+            }
+            y[row] -= f * y[col];
+        }
+    }
+    let mut x = [0.0; 3];
+    for row in (0..3).rev() {
+        let rest: f64 = (row + 1..3).map(|k| a[row][k] * x[k]).sum();
+        x[row] = (y[row] - rest) / a[row][row];
+    }
+    Some(x)
 }
 
 #[derive(Debug, Default)]
@@ -178,12 +208,21 @@ impl PrefixIndex {
     }
 
     /// What the engine reported for a request the index predicted: its capacity estimate
-    /// follows (see the module doc), and a request that ran alone joins the latency fit.
-    pub fn learn(&self, p: Prediction, cached_bytes: u32, alone: Option<f64>, tuning: &Tuning) {
+    /// follows (see the module doc), and the request's time in flight with the requests queued
+    /// before it (`(seconds, queued)`) joins the latency fit.
+    pub fn learn(
+        &self,
+        p: Prediction,
+        cached_bytes: u32,
+        timing: Option<(f64, u64)>,
+        tuning: &Tuning,
+    ) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(seconds) = alone {
+        if let Some((seconds, queued)) = timing {
             let miss = p.prompt_bytes.saturating_sub(cached_bytes) as f64;
-            inner.fit.add(miss, seconds, tuning.fit_window);
+            inner
+                .fit
+                .add(miss, queued as f64, seconds, tuning.fit_window);
         }
         let Some(s) = inner.slots.iter().position(|s| s.id == p.instance) else {
             return;
@@ -224,7 +263,7 @@ impl PrefixIndex {
             .collect()
     }
 
-    /// One request's fixed cost in prefill bytes: learnt, else the tuning's prior.
+    /// One queued request's cost in prefill bytes: learnt, else the tuning's prior.
     pub fn request_bytes(&self, tuning: &Tuning) -> f64 {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.request_bytes(tuning)
@@ -238,7 +277,7 @@ impl Inner {
 
     fn request_bytes(&self, tuning: &Tuning) -> f64 {
         self.fit
-            .request_bytes(tuning.fit_min_samples)
+            .queued_bytes(tuning.fit_min_samples)
             .unwrap_or(tuning.request_bytes)
     }
 
@@ -346,7 +385,7 @@ impl View<'_> {
         (slot.used, slot.capacity)
     }
 
-    /// One request's fixed cost in prefill bytes.
+    /// One queued request's cost in prefill bytes.
     pub fn request_bytes(&self) -> f64 {
         self.inner.request_bytes(self.tuning)
     }
@@ -485,21 +524,23 @@ mod tests {
     }
 
     #[test]
-    fn the_fit_gives_a_requests_fixed_time_in_prefill_bytes() {
+    fn the_fit_gives_a_queued_requests_cost_in_prefill_bytes() {
         let mut f = LatencyFit::default();
-        assert_eq!(f.request_bytes(8.0), None);
-        // 20 ms fixed, 10 us per byte: 2,000 bytes
-        for i in 0..64 {
+        assert_eq!(f.queued_bytes(8.0), None);
+        // 20 ms fixed, 10 us per missed byte, 5 ms per request queued before: a queued request
+        // costs what 500 bytes of prefill do
+        for i in 0..256u64 {
             let miss = (i % 8) as f64 * 1000.0;
-            f.add(miss, 0.02 + miss * 1e-5, 256.0);
+            let queued = (i / 8 % 5) as f64;
+            f.add(miss, queued, 0.02 + miss * 1e-5 + queued * 0.005, 256.0);
         }
-        let r = f.request_bytes(8.0).unwrap();
-        assert!((r - 2000.0).abs() < 1.0, "{r}");
+        let r = f.queued_bytes(8.0).unwrap();
+        assert!((r - 500.0).abs() < 1.0, "{r}");
         // misses that do not spread teach nothing
         let mut g = LatencyFit::default();
-        for _ in 0..64 {
-            g.add(5000.0, 0.07, 256.0);
+        for i in 0..64u64 {
+            g.add(5000.0, (i % 3) as f64, 0.07, 256.0);
         }
-        assert_eq!(g.request_bytes(8.0), None);
+        assert_eq!(g.queued_bytes(8.0), None);
     }
 }

@@ -125,11 +125,12 @@ impl Outcome {
             let cached_bytes = (u64::from(p.prompt_bytes) * cached)
                 .checked_div(report.prompt_tokens)
                 .unwrap_or(0) as u32;
-            let alone = in_flight.alone().map(|d| d.as_secs_f64());
+            let seconds = in_flight.elapsed().as_secs_f64();
+            let sample = (seconds, in_flight.queued());
             in_flight
                 .variant()
                 .index()
-                .learn(p, cached_bytes, alone, &self.tuning);
+                .learn(p, cached_bytes, Some(sample), &self.tuning);
         }
     }
 }

@@ -723,11 +723,11 @@ async fn engines_cache_reports_are_counted_as_they_pass_unchanged() {
         Some(2504.0),
         "{metrics}"
     );
-    // the variant's rules are open: the engine reported hits
+    // the prefix index keeps a capacity estimate for the instance that reported
     assert!(
-        metrics.contains(
-            "prefix_router_placement_rule_open{endpoint=\"e\",variant=\"v1\",rule=\"variant\"} 1"
-        ),
+        metrics.contains(&format!(
+            "prefix_router_prefix_index_capacity_blocks{{endpoint=\"e\",variant=\"v1\",{instance}}}"
+        )),
         "{metrics}"
     );
 }

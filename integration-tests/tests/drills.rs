@@ -200,7 +200,9 @@ async fn engine_that_stalls() {
         wait_for("streams open on the victim", Duration::from_secs(20), || async {
             let m = fleet.metrics(0).await;
             let open = metric(&m, "prefix_router_instance_in_flight", &[("instance", &victim_url)]);
-            (open >= 2.0).then_some(())
+            // (one at least: these prompts are short, so a second one costs less to prefill on
+            // an idle engine than to queue behind the first, and placement sends it there)
+            (open >= 1.0).then_some(())
         })
         .await;
         let flowing = proxy.bytes_down() + 4096;
@@ -241,10 +243,10 @@ async fn engine_that_stalls() {
             assert!(o.latency >= Duration::from_millis(DEADLINE_MS - 50), "{o:?}");
             assert!(o.latency < Duration::from_millis(DEADLINE_MS + 5000), "{o:?}");
         }
-        // Every other request succeeded; those to the other engines keep their latency.
+        // Every request the other engines served succeeded and kept its latency.
         let others = |v: &[Outcome]| -> Vec<Outcome> {
             v.iter()
-                .filter(|o| before[&o.req.key] != victim_url)
+                .filter(|o| o.instance.as_deref() != Some(victim_url.as_str()))
                 .cloned()
                 .collect()
         };

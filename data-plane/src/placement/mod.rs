@@ -7,8 +7,8 @@
 //! ```text
 //! cost(i) = miss(i)                      prompt bytes instance i lacks (its prefix index)
 //!         + evict(i)                     bytes its cache must drop to take them
-//!         + outstanding(i) * request     this router's requests in flight there, each its
-//!         + pending_miss(i)              fixed work plus the prefill it was sent with
+//!         + outstanding(i) * queued      this router's requests in flight there, each what a
+//!                                        queued request was measured to cost
 //! ```
 //!
 //! over the healthy instances under `concurrency_threshold` (only when none is: over all the
@@ -19,17 +19,20 @@
 //!   capacity learnt from the engines' own reports.
 //! - `evict`: a prefix copied onto a full cache pushes out others that will be prefilled again
 //!   when they come back; each such byte costs one byte of prefill.
-//! - the queue: a request waits behind the work already sent to its instance. `request` is one
-//!   request's fixed work (decode, overhead) in prefill bytes, learnt from the time requests take
-//!   alone on an instance against the prefill they needed ([`crate::prefix_index::LatencyFit`]).
-//!   A hot prefix thus gets a second copy when queueing on its holder costs more than prefilling
-//!   (and making room for) a copy, and never because of its share.
+//! - the queue: a request shares its instance with the work already sent there. `queued` is what
+//!   one request in flight costs a new one, in prefill bytes, learnt from the time requests take
+//!   against the prefill they needed and the requests in flight before them
+//!   ([`crate::prefix_index::LatencyFit`]): near a whole request on an engine that serves one at
+//!   a time, little on one that batches. A hot prefix thus gets a second copy when queueing on
+//!   its holder costs more than prefilling (and making room for) a copy, and never because of
+//!   its share.
 //!
-//! A prompt no instance is known to hold (cold) is taken to be held, up to its affinity key (the
-//! first `prefix_length` characters, [`crate::prompt::prompt_key`]), by the key's rendezvous top
-//! (`rendezvous`): every router replica sends a new prefix there while it is not loaded, so
-//! replicas that never talk agree on where it goes, and a join or leave of one of n instances
-//! moves about 1/(n+1) of the new keys. Equal costs also go by the rendezvous ranking.
+//! The key's rendezvous top (`rendezvous`) is taken to hold at least the affinity key (the first
+//! `prefix_length` characters, [`crate::prompt::prompt_key`]): every router replica sends the
+//! key there while it is not loaded, so replicas that never talk agree on where a new prefix
+//! goes, a key long enough to take in a user's first message spreads users of one system prompt
+//! by user, and a join or leave of one of n instances moves about 1/(n+1) of the new keys. Equal
+//! costs also go by the rendezvous ranking.
 //!
 //! The constants live in [`Tuning`]; its `Default` is what users get.
 

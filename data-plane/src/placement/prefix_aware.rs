@@ -51,10 +51,9 @@ impl Placement {
         v.load().index().with(ids, &self.tuning, |index| {
             index.matches(prompt.blocks, depth);
             let request = index.request_bytes();
-            let cold = depth.iter().all(|&d| d == 0);
-            let top = cold.then(|| rendezvous_top(ids, prompt.key).0);
-            // what instance i is taken to hold: its match, or for a cold prompt on its
-            // rendezvous top, the key
+            let top = Some(rendezvous_top(ids, prompt.key).0);
+            // what instance i is taken to hold: its match, and on the key's rendezvous top (where
+            // every replica sends the key) at least the key
             let held = |i: usize| -> f64 {
                 let known = depth[i] as f64 * block;
                 let assumed = if top == Some(i) {
@@ -77,7 +76,7 @@ impl Placement {
                 let (used, capacity) = index.room(i);
                 let new_blocks = (prompt.blocks.len() - depth[i] as usize) as f64;
                 let evict = (used as f64 + new_blocks - capacity.floor()).max(0.0) * block;
-                let queue = state.outstanding() as f64 * request + state.pending_miss() as f64;
+                let queue = state.outstanding() as f64 * request;
                 let standing = Standing {
                     over: state.outstanding() >= limit,
                     cost: (total - h) + evict + queue,
@@ -87,13 +86,14 @@ impl Placement {
                     best = Some((i, standing));
                 }
             }
-            // the decision: the instance holding the most of the prompt (or, cold, the key's
-            // top), else a bypass of it (its queue cost more, or it was over the threshold)
+            // the decision: the instance taken to hold the most of the prompt (by the index:
+            // prefix_match; by the key's ranking: prefix_hash), else a bypass of it (its queue
+            // cost more, or it was over the threshold)
             let (i, decision) = match best {
                 Some((i, s)) => {
                     let decision = if s.over || held(i) < most_held {
                         Decision::OverloadBypass
-                    } else if depth[i] > 0 {
+                    } else if depth[i] > 0 && depth[i] as f64 * block >= held(i) {
                         Decision::PrefixMatch
                     } else {
                         Decision::PrefixHash

@@ -5,13 +5,13 @@
 /// enters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tuning {
-    /// The queue term, until the router has learnt it: what one request's fixed work (its
-    /// decode and the engine's overhead) costs, in prompt bytes of prefill.
+    /// The queue term, until the router has learnt it: what one request queued on an instance
+    /// costs a request sent there, in prompt bytes of prefill.
     pub request_bytes: f64,
-    /// The queue term's fit (see [`crate::prefix_index::LatencyFit`]) weighs the last this many
-    /// requests that ran alone on their instance...
+    /// The queue term's fit (see [`crate::prefix_index::LatencyFit`]) weighs about the last
+    /// this many requests the engines reported on...
     pub fit_window: f64,
-    /// ...and is used once it has about this many of them.
+    /// ...and is used once it has about this many of them (and they vary in misses and queue).
     pub fit_min_samples: f64,
     /// The prefill and eviction terms: how far one engine report that contradicts the prefix
     /// index moves the instance's capacity estimate (relative).

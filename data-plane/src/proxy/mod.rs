@@ -409,10 +409,6 @@ impl Router {
                 }
             }
         };
-        let mut in_flight = in_flight;
-        if let Some(p) = route.prediction {
-            in_flight.charge(u64::from(p.miss_bytes()));
-        }
         if !span.is_disabled() {
             record_route(span, &table, &route, body.len());
         }
