@@ -126,21 +126,42 @@ impl LatencyFit {
         }
     }
 
-    /// One queued request's cost in prefill bytes (`per_queued / per_byte`), once the samples
-    /// spread enough in both misses and queues to tell the terms apart, else `None`.
+    /// One queued request's cost in prefill bytes: `per_queued / per_byte` once the samples
+    /// spread in both misses and queues; before any queue was seen (a router that never had to
+    /// queue), `fixed / per_byte` of the line over misses alone, as an engine that serves one
+    /// request at a time would make a queued request cost; `None` until the misses spread.
     pub fn queued_bytes(&self, min_samples: f64) -> Option<f64> {
         let n = self.vv[0][0];
         if n < min_samples {
             return None;
         }
-        // both must vary: by a block or so of misses, by a tenth of a request of queue
+        // misses must vary by a block or so, a queue by a tenth of a request
         let var = |i: usize| self.vv[i][i] / n - (self.vv[0][i] / n).powi(2);
-        if var(1) < 1.0 || var(2) < 0.01 {
+        if var(1) < 1.0 {
             return None;
         }
-        let [_, per_block, per_queued] = solve3(self.vv, self.vy)?;
-        (per_block > 0.0 && per_queued >= 0.0)
-            .then(|| (per_queued / per_block * BLOCK_BYTES as f64).clamp(0.0, 1e9))
+        let per_block_bytes = |per_block: f64, cost: f64| {
+            (per_block > 0.0 && cost >= 0.0)
+                .then(|| (cost / per_block * BLOCK_BYTES as f64).clamp(0.0, 1e9))
+        };
+        if var(2) >= 0.01 {
+            let [_, per_block, per_queued] = solve3(self.vv, self.vy)?;
+            return per_block_bytes(per_block, per_queued);
+        }
+        let (a, y) = (
+            [
+                [self.vv[0][0], self.vv[0][1]],
+                [self.vv[1][0], self.vv[1][1]],
+            ],
+            [self.vy[0], self.vy[1]],
+        );
+        let det = a[0][0] * a[1][1] - a[0][1] * a[1][0];
+        if det.abs() < 1e-12 {
+            return None;
+        }
+        let fixed = (y[0] * a[1][1] - a[0][1] * y[1]) / det;
+        let per_block = (a[0][0] * y[1] - a[1][0] * y[0]) / det;
+        per_block_bytes(per_block, fixed)
     }
 }
 
@@ -542,5 +563,14 @@ mod tests {
             g.add(5000.0, (i % 3) as f64, 0.07, 256.0);
         }
         assert_eq!(g.queued_bytes(8.0), None);
+        // a router that never queued: a queued request is taken to cost a whole request's
+        // fixed time (20 ms at 10 us a byte: 2,000 bytes)
+        let mut h = LatencyFit::default();
+        for i in 0..64u64 {
+            let miss = (i % 8) as f64 * 1000.0;
+            h.add(miss, 0.0, 0.02 + miss * 1e-5, 256.0);
+        }
+        let r = h.queued_bytes(8.0).unwrap();
+        assert!((r - 2000.0).abs() < 1.0, "{r}");
     }
 }
