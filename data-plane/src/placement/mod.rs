@@ -5,7 +5,7 @@
 //! the cheapest instance wins:
 //!
 //! ```text
-//! cost(i) = 2 * miss(i)                  prompt bytes instance i lacks (its prefix index)
+//! cost(i) = miss(i)                      prompt bytes instance i lacks (its prefix index)
 //!         + evict(i)                     bytes its cache must drop to take them
 //!         + outstanding(i) * queued      this router's requests in flight there, each what a
 //!                                        queued request was measured to cost
@@ -14,9 +14,7 @@
 //! over the healthy instances under `concurrency_threshold` (only when none is: over all the
 //! healthy ones, `overload_bypass`). Why each term, and where it comes from:
 //! - `miss`: an engine serves from its cache the longest prefix of the prompt it holds; the
-//!   rest it must compute before the first token. It counts twice: as this request's wait and
-//!   as engine time that every request the engine serves next waits for (a queue only makes
-//!   this request wait). [`crate::prefix_index`] keeps, per instance,
+//!   rest it must compute before the first token. [`crate::prefix_index`] keeps, per instance,
 //!   the blocks of every prompt this router sent there (the chat's whole history included) to a
 //!   capacity learnt from the engines' own reports.
 //! - `evict`: a prefix copied onto a full cache pushes out others that will be prefilled again

@@ -79,9 +79,7 @@ impl Placement {
                 let queue = state.outstanding() as f64 * request;
                 let standing = Standing {
                     over: state.outstanding() >= limit,
-                    // a miss costs twice: the engine's time (which delays whatever it serves
-                    // next) and this request's wait for it; a queue costs only the wait
-                    cost: 2.0 * (total - h) + evict + queue,
+                    cost: (total - h) + evict + queue,
                     score: std::cmp::Reverse(score),
                 };
                 if best.is_none_or(|(_, b)| standing < b) {

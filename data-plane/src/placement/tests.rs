@@ -148,12 +148,12 @@ fn a_prompt_goes_where_it_is_cached_until_that_queue_costs_more_than_the_prefill
         let held = r.prediction.unwrap().cached_bytes as usize;
         assert!(held >= 8192 - BLOCK_BYTES, "{held}");
     }
-    // a few requests in flight there cost less than prefilling 8 KiB elsewhere (the tuning's
-    // prior: 4 KiB of prefill a queued request, a miss counted twice)
-    let queue = load(v, home, 4);
+    // one request in flight there costs less than prefilling 8 KiB elsewhere (the tuning's
+    // prior: 4 KiB of prefill a queued request)
+    let queue = load(v, home, 1);
     assert_eq!(p.route(&t, &req(&document(1, 50))).unwrap().instance, home);
-    // five cost more: a second home, where the prompt is prefilled once
-    let more = load(v, home, 1);
+    // three cost more: a second home, where the prompt is prefilled once
+    let more = load(v, home, 2);
     let r = p.route(&t, &req(&document(1, 51))).unwrap();
     assert_ne!(r.instance, home);
     assert_eq!(r.decision, Decision::OverloadBypass);
@@ -177,9 +177,9 @@ fn a_copy_the_cache_cannot_fit_costs_its_eviction() {
     let home = p.route(&t, &req(&document(1, 0))).unwrap().instance;
     let other = 1 - home;
     let tuning = *p.tuning();
-    // five requests queued on the holder cost more than prefilling the document on the other
+    // three requests queued on the holder cost more than prefilling the document on the other
     // instance while its cache has room...
-    let queue = load(v, home, 5);
+    let queue = load(v, home, 3);
     assert_eq!(p.route(&t, &req(&document(1, 1))).unwrap().instance, other);
     drop(queue);
     // ...but not once the other instance's cache is full: there the copy evicts as much as it
@@ -217,7 +217,7 @@ fn a_copy_the_cache_cannot_fit_costs_its_eviction() {
     );
     let (used, capacity) = v.load().index().with(&ids, &tuning, |i| i.room(other));
     assert!(used as f64 >= capacity.floor() && capacity < (4 * blocks) as f64);
-    let queue = load(v, home, 5);
+    let queue = load(v, home, 3);
     let r = p.route(&t, &req(&document(1, 1))).unwrap();
     assert_eq!((r.instance, r.decision), (home, Decision::PrefixMatch));
     drop(queue);
