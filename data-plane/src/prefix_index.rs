@@ -94,13 +94,6 @@ pub struct Prediction {
     pub prompt_bytes: u32,
 }
 
-impl Prediction {
-    /// The prompt bytes the engine was predicted to prefill.
-    pub fn miss_bytes(&self) -> u32 {
-        self.prompt_bytes - self.cached_bytes.min(self.prompt_bytes)
-    }
-}
-
 /// The least-squares plane `seconds = fixed + per_byte * miss_bytes + per_queued * queued` over
 /// the requests whose engines reported (`queued`: this router's requests in flight on the
 /// instance when the request started), each weighing less as newer ones come (exponential decay
