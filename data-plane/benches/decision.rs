@@ -192,7 +192,7 @@ fn decision(c: &mut Criterion) {
                 BodyKind::OpenAi,
                 black_box(&body),
                 1,
-                data_plane::placement::MAX_PROMPT_CHARS,
+                data_plane::placement::MAX_PROMPT_BYTES,
                 &mut blocks,
             ))
         })

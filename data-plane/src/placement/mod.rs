@@ -56,7 +56,7 @@ pub use tuning::Tuning;
 pub use crate::decision::Decision;
 
 /// The longest prompt text the prefix index reads (characters): 512 KiB, about 128k tokens.
-pub const MAX_PROMPT_CHARS: usize = 512 * 1024;
+pub const MAX_PROMPT_BYTES: usize = 512 * 1024;
 
 /// An instance (index into the variant's instances) and the header's decision.
 pub type Choice = (usize, Decision);
@@ -199,7 +199,7 @@ impl Placement {
         let key = prompt_key(req.kind, req.body, pa.prefix_length as usize, seed);
         let (choice, prediction) = SCRATCH
             .with_borrow_mut(|(blocks, depth)| {
-                let chars = prompt_blocks(req.kind, req.body, seed, MAX_PROMPT_CHARS, blocks);
+                let chars = prompt_blocks(req.kind, req.body, seed, MAX_PROMPT_BYTES, blocks);
                 let prompt = Prompt {
                     key: key.hash,
                     key_bytes: key.len,

@@ -51,12 +51,12 @@ impl Placement {
         v.load().index().with(ids, &self.tuning, |index| {
             index.matches(prompt.blocks, depth);
             let request = index.request_bytes();
-            let top = Some(rendezvous_top(ids, prompt.key).0);
+            let top = rendezvous_top(ids, prompt.key).0;
             // what instance i is taken to hold: its match, and on the key's rendezvous top (where
             // every replica sends the key) at least the key
             let held = |i: usize| -> f64 {
                 let known = depth[i] as f64 * block;
-                let assumed = if top == Some(i) {
+                let assumed = if i == top {
                     prompt.key_bytes as f64
                 } else {
                     0.0

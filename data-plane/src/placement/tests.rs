@@ -198,7 +198,7 @@ fn a_copy_the_cache_cannot_fit_costs_its_eviction() {
                 BodyKind::OpenAi,
                 &document(d, 0),
                 DEFAULT_SEED,
-                MAX_PROMPT_CHARS,
+                MAX_PROMPT_BYTES,
                 &mut b,
             );
             index.place(other, &b);
@@ -369,7 +369,7 @@ fn a_prompt_the_index_lost_to_a_small_cache_is_cold_again() {
             BodyKind::OpenAi,
             &document(d, 9),
             DEFAULT_SEED,
-            MAX_PROMPT_CHARS,
+            MAX_PROMPT_BYTES,
             &mut b,
         );
         let mut depth = vec![0u32; 2];
