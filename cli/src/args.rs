@@ -97,8 +97,8 @@ pub enum Command {
     /// A short live demo: RANDOM, then PREFIX_AWARE switched in with UpdateEndpointConfig, side by side.
     Demo(crate::bench::DemoArgs),
     /// A live view of the engines' prefix-cache reports, read from data planes' /metrics: per
-    /// instance and placement rule, the share of prompt tokens served from cache, and the
-    /// PREFIX_AWARE rule gates.
+    /// instance and placement rule, the share of prompt tokens served from cache, and what the
+    /// PREFIX_AWARE prefix index holds of each instance.
     Top(TopArgs),
     /// Prints a shell completion script (e.g. `prefixctl completions bash > /etc/bash_completion.d/prefixctl`).
     Completions(CompletionsArgs),
@@ -320,9 +320,10 @@ pub struct UpArgs {
     after_help = "Per endpoint and variant: per instance, requests/s, requests in flight, prompt \
                         tokens/s and HIT, the share of prompt tokens the engine reported served from its \
                         cache (NOW: over the last interval; TOTAL: since the routers started); per placement \
-                        rule (decision), prompt tokens and HIT; and each PREFIX_AWARE rule gate, open or \
-                        closed (closed while the engines report that its revisits miss) and how many times \
-                        it closed. Counters are summed over the routers. A router that does not answer is \
+                        rule (decision), prompt tokens and HIT; and for PREFIX_AWARE, the blocks (of 256 \
+                        prompt characters) each router's prefix index lists on the instance against the \
+                        capacity it learnt from the engine's reports (the mean over the routers). Counters \
+                        are summed over the routers. A router that does not answer is \
                         named in one line; --once fails only when none answers."
 )]
 pub struct TopArgs {

@@ -4,13 +4,14 @@
 //! Per endpoint and variant it shows, per instance, requests/s, requests in flight, prompt
 //! tokens/s and the share of prompt tokens the engine served from its cache (over the last
 //! interval and over the routers' lifetime); per placement rule (the `decision` label), prompt
-//! tokens and cached share, so one sees which rule's placements hit; and the PREFIX_AWARE rule
-//! gates: open or closed, and how many times each closed.
+//! tokens and cached share, so one sees which rule's placements hit; and, for PREFIX_AWARE, what
+//! each router's prefix index holds of each instance against its learnt capacity (in blocks of
+//! 256 prompt characters, the mean over the routers that report it).
 //!
 //! The metrics (names and labels as the data plane exports them, see `data-plane/src/metrics.rs`):
 //! `prefix_router_requests_total`, `prefix_router_instance_in_flight`,
 //! `prefix_router_prompt_tokens_total`, `prefix_router_cached_prompt_tokens_total`,
-//! `prefix_router_placement_rule_open`, `prefix_router_placement_rule_closed_total`.
+//! `prefix_router_prefix_index_blocks`, `prefix_router_prefix_index_capacity_blocks`.
 //!
 //! Each router's scrape is kept apart: interval rates come from each router's own deltas over
 //! its own elapsed time (a router whose counters went down restarted: its delta counts from
@@ -32,33 +33,17 @@ const REQUESTS: &str = "prefix_router_requests_total";
 const IN_FLIGHT: &str = "prefix_router_instance_in_flight";
 const PROMPT_TOKENS: &str = "prefix_router_prompt_tokens_total";
 const CACHED_TOKENS: &str = "prefix_router_cached_prompt_tokens_total";
-const RULE_OPEN: &str = "prefix_router_placement_rule_open";
-const RULE_CLOSED: &str = "prefix_router_placement_rule_closed_total";
+const INDEX_BLOCKS: &str = "prefix_router_prefix_index_blocks";
+const INDEX_CAPACITY: &str = "prefix_router_prefix_index_capacity_blocks";
 
 /// Placement rules (the `decision` label of the token counters) in the data plane's order;
 /// others follow, sorted by name.
-const DECISION_ORDER: [&str; 11] = [
+const DECISION_ORDER: [&str; 5] = [
     "random",
     "least_outstanding",
+    "prefix_match",
     "prefix_hash",
-    "hot_replica",
-    "deepened_head",
-    "warm_move",
-    "reweighed",
-    "spill",
     "overload_bypass",
-    "relief",
-    "home",
-];
-
-/// Rule gates (the `rule` label) in the data plane's order: the variant's own gate first.
-const GATE_ORDER: [&str; 6] = [
-    "variant",
-    "hot_replica",
-    "deepened_head",
-    "warm_move",
-    "reweighed",
-    "spill",
 ];
 
 /// How long one scrape may take with `--once`.
@@ -75,12 +60,12 @@ enum Kind {
     PromptTokens { instance: String, decision: String },
     /// Of those, the tokens served from its cache.
     CachedTokens { instance: String, decision: String },
-    /// Routers whose gate `rule` is open (a gauge: 1 per open router).
-    RuleOpen { rule: String },
-    /// Routers that report gate `rule` at all (1 per router; summed, how many there are).
-    RuleReported { rule: String },
-    /// Times gate `rule` closed.
-    RuleClosings { rule: String },
+    /// Blocks a router's prefix index lists on `instance` (a gauge).
+    IndexBlocks { instance: String },
+    /// The index's learnt capacity of `instance`, in blocks (a gauge).
+    IndexCapacity { instance: String },
+    /// Routers that report an index of `instance` (1 per router; summed, how many there are).
+    IndexReported { instance: String },
 }
 
 impl Kind {
@@ -88,10 +73,7 @@ impl Kind {
     fn is_counter(&self) -> bool {
         matches!(
             self,
-            Kind::Requests { .. }
-                | Kind::PromptTokens { .. }
-                | Kind::CachedTokens { .. }
-                | Kind::RuleClosings { .. }
+            Kind::Requests { .. } | Kind::PromptTokens { .. } | Kind::CachedTokens { .. }
         )
     }
 }
@@ -120,7 +102,6 @@ impl Counters {
         for sample in metrics::parse(text) {
             let label = |name: &str| sample.label(name).unwrap_or("").to_string();
             let instance = || label("instance");
-            let rule = || label("rule");
             let (kind, value) = match sample.name {
                 REQUESTS => (
                     Kind::Requests {
@@ -148,20 +129,32 @@ impl Counters {
                     },
                     sample.value,
                 ),
-                RULE_OPEN => (Kind::RuleOpen { rule: rule() }, sample.value.min(1.0)),
-                RULE_CLOSED => (Kind::RuleClosings { rule: rule() }, sample.value),
+                INDEX_BLOCKS => (
+                    Kind::IndexBlocks {
+                        instance: instance(),
+                    },
+                    sample.value,
+                ),
+                INDEX_CAPACITY => (
+                    Kind::IndexCapacity {
+                        instance: instance(),
+                    },
+                    sample.value,
+                ),
                 _ => continue,
             };
             let endpoint = label("endpoint");
             if endpoint.is_empty() || !value.is_finite() {
                 continue;
             }
-            if let Kind::RuleOpen { rule } = &kind {
+            if let Kind::IndexBlocks { instance } = &kind {
                 counters.add_value(
                     Series {
                         endpoint: endpoint.clone(),
                         variant: label("variant"),
-                        kind: Kind::RuleReported { rule: rule.clone() },
+                        kind: Kind::IndexReported {
+                            instance: instance.clone(),
+                        },
                     },
                     1.0,
                 );
@@ -275,6 +268,22 @@ pub struct InstanceView {
     /// The last interval (absent with `--once` and on the first refresh).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interval: Option<InstanceRates>,
+    /// What the routers' PREFIX_AWARE prefix indexes hold of it (absent for other strategies).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<IndexView>,
+}
+
+/// One instance in the routers' prefix indexes: the mean over the routers that report it (each
+/// router keeps its own index of what it sent).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct IndexView {
+    /// Blocks (of 256 prompt characters) the index lists on the instance.
+    pub blocks: f64,
+    /// The capacity the index learnt from the engine's reports, in blocks.
+    pub capacity_blocks: f64,
+    /// Routers reporting an index of the instance.
+    pub routers: u64,
 }
 
 /// One placement rule over the last interval.
@@ -296,31 +305,6 @@ pub struct DecisionView {
     pub interval: Option<DecisionRates>,
 }
 
-/// One PREFIX_AWARE rule gate, over the routers that report it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "PascalCase")]
-pub struct GateView {
-    pub rule: String,
-    /// Open on every router that reports it.
-    pub open: bool,
-    pub routers_open: u64,
-    pub routers: u64,
-    /// Times it closed, summed over the routers.
-    pub closed_total: u64,
-}
-
-impl GateView {
-    fn state(&self) -> String {
-        if self.open {
-            "open".into()
-        } else if self.routers_open == 0 {
-            "closed".into()
-        } else {
-            format!("open on {} of {} routers", self.routers_open, self.routers)
-        }
-    }
-}
-
 /// One endpoint's variant.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "PascalCase")]
@@ -329,8 +313,6 @@ pub struct VariantView {
     pub variant: String,
     pub instances: Vec<InstanceView>,
     pub decisions: Vec<DecisionView>,
-    /// Empty unless the variant routes PREFIX_AWARE.
-    pub rule_gates: Vec<GateView>,
 }
 
 /// One refresh of `top` (with `--output json`, its document).
@@ -355,17 +337,19 @@ impl TopReport {
         total: &Counters,
         rates: Option<(&Counters, Duration)>,
     ) -> Self {
-        // (endpoint, variant) -> instance names, decision names, gate names.
-        type Names = (Vec<String>, Vec<String>, Vec<String>);
+        // (endpoint, variant) -> instance names, decision names.
+        type Names = (Vec<String>, Vec<String>);
         let mut variants: BTreeMap<(&str, &str), Names> = BTreeMap::new();
         for series in total.series.keys() {
             let names = variants
                 .entry((&series.endpoint, &series.variant))
                 .or_default();
             let (list, name) = match &series.kind {
-                Kind::Requests { instance } | Kind::InFlight { instance } => {
-                    (&mut names.0, instance)
-                }
+                Kind::Requests { instance }
+                | Kind::InFlight { instance }
+                | Kind::IndexBlocks { instance }
+                | Kind::IndexCapacity { instance }
+                | Kind::IndexReported { instance } => (&mut names.0, instance),
                 Kind::PromptTokens { instance, decision }
                 | Kind::CachedTokens { instance, decision } => {
                     if !names.0.contains(instance) {
@@ -373,9 +357,6 @@ impl TopReport {
                     }
                     (&mut names.1, decision)
                 }
-                Kind::RuleOpen { rule }
-                | Kind::RuleReported { rule }
-                | Kind::RuleClosings { rule } => (&mut names.2, rule),
             };
             if !list.contains(name) {
                 list.push(name.clone());
@@ -383,10 +364,9 @@ impl TopReport {
         }
         let views = variants
             .into_iter()
-            .map(|((endpoint, variant), (mut instances, mut decisions, mut gates))| {
+            .map(|((endpoint, variant), (mut instances, mut decisions))| {
                 instances.sort();
                 sort_by_order(&mut decisions, &DECISION_ORDER);
-                sort_by_order(&mut gates, &GATE_ORDER);
                 let at = |kind: Kind| Series {
                     endpoint: endpoint.to_string(),
                     variant: variant.to_string(),
@@ -414,6 +394,19 @@ impl TopReport {
                         let requests = at(Kind::Requests {
                             instance: instance.clone(),
                         });
+                        let routers = count(total.get(&at(Kind::IndexReported {
+                            instance: instance.clone(),
+                        })));
+                        let mean = |kind: Kind| total.get(&at(kind)) / routers as f64;
+                        let index = (routers > 0).then(|| IndexView {
+                            blocks: mean(Kind::IndexBlocks {
+                                instance: instance.clone(),
+                            }),
+                            capacity_blocks: mean(Kind::IndexCapacity {
+                                instance: instance.clone(),
+                            }),
+                            routers,
+                        });
                         InstanceView {
                             requests: count(total.get(&requests)),
                             in_flight: count(total.get(&at(Kind::InFlight {
@@ -425,6 +418,7 @@ impl TopReport {
                                 prompt_tokens_per_second: prompt(r),
                                 cached_share: share(cached(r), prompt(r)),
                             }),
+                            index,
                             instance,
                         }
                     })
@@ -448,28 +442,11 @@ impl TopReport {
                         }
                     })
                     .collect();
-                let rule_gates = gates
-                    .into_iter()
-                    .map(|rule| {
-                        let routers_open = count(total.get(&at(Kind::RuleOpen { rule: rule.clone() })));
-                        let routers = count(total.get(&at(Kind::RuleReported { rule: rule.clone() })));
-                        GateView {
-                            open: routers > 0 && routers_open >= routers,
-                            routers_open,
-                            routers,
-                            closed_total: count(total.get(&at(Kind::RuleClosings {
-                                rule: rule.clone(),
-                            }))),
-                            rule,
-                        }
-                    })
-                    .collect();
                 VariantView {
                     endpoint: endpoint.to_string(),
                     variant: variant.to_string(),
                     instances,
                     decisions,
-                    rule_gates,
                 }
             })
             .collect();
@@ -519,19 +496,23 @@ impl Report for TopReport {
                 "\nendpoint {}  variant {}\n",
                 v.endpoint, v.variant
             ));
-            let mut t = if live {
-                Table::new(&[
+            let mut head = if live {
+                vec![
                     "INSTANCE",
                     "REQ/S",
                     "IN FLIGHT",
                     "PROMPT TOK/S",
                     "HIT NOW",
                     "HIT TOTAL",
-                ])
+                ]
             } else {
-                Table::new(&["INSTANCE", "REQUESTS", "IN FLIGHT", "PROMPT TOKENS", "HIT"])
+                vec!["INSTANCE", "REQUESTS", "IN FLIGHT", "PROMPT TOKENS", "HIT"]
+            };
+            let indexed = v.instances.iter().any(|i| i.index.is_some());
+            if indexed {
+                head.push("INDEX BLOCKS/CAPACITY");
             }
-            .indent(2);
+            let mut t = Table::new(&head).indent(2);
             for i in &v.instances {
                 let mut row = vec![i.instance.clone()];
                 match &i.interval {
@@ -555,6 +536,12 @@ impl Report for TopReport {
                         i.tokens.prompt_tokens.to_string(),
                         percent(i.tokens.cached_share),
                     ]),
+                }
+                if indexed {
+                    row.push(i.index.map_or_else(
+                        || "-".into(),
+                        |x| format!("{:.0}/{:.0}", x.blocks, x.capacity_blocks),
+                    ));
                 }
                 t.row(row);
             }
@@ -588,14 +575,6 @@ impl Report for TopReport {
                         percent(d.tokens.cached_share),
                     ]);
                     t.row(row);
-                }
-                out.push('\n');
-                out.push_str(&t.render());
-            }
-            if !v.rule_gates.is_empty() {
-                let mut t = Table::new(&["GATE", "STATE", "CLOSED (TIMES)"]).indent(2);
-                for g in &v.rule_gates {
-                    t.row(vec![g.rule.clone(), g.state(), g.closed_total.to_string()]);
                 }
                 out.push('\n');
                 out.push_str(&t.render());
@@ -851,42 +830,40 @@ async fn live(
 mod tests {
     use super::*;
 
-    /// A data plane's scrape: two instances of e/v1, a closed hot_replica gate.
+    /// A data plane's scrape: two instances of e/v1, both in its prefix index.
     const ROUTER_A: &str = "\
 # HELP prefix_router_requests_total Requests by endpoint, variant, instance, routing decision and response status.
 # TYPE prefix_router_requests_total counter
 prefix_router_requests_total{endpoint=\"\",variant=\"\",instance=\"\",decision=\"none\",status=\"404\"} 7
 prefix_router_requests_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\",status=\"200\"} 10
 prefix_router_requests_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\",status=\"502\"} 2
-prefix_router_requests_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\",decision=\"hot_replica\",status=\"200\"} 4
+prefix_router_requests_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\",decision=\"overload_bypass\",status=\"200\"} 4
 # TYPE prefix_router_prompt_tokens_total counter
 prefix_router_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\"} 1000
-prefix_router_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\",decision=\"hot_replica\"} 400
+prefix_router_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\",decision=\"overload_bypass\"} 400
 # TYPE prefix_router_cached_prompt_tokens_total counter
 prefix_router_cached_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\"} 900
-prefix_router_cached_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\",decision=\"hot_replica\"} 40
-# TYPE prefix_router_placement_rule_open gauge
-prefix_router_placement_rule_open{endpoint=\"e\",variant=\"v1\",rule=\"variant\"} 1
-prefix_router_placement_rule_open{endpoint=\"e\",variant=\"v1\",rule=\"hot_replica\"} 0
-# TYPE prefix_router_placement_rule_closed_total counter
-prefix_router_placement_rule_closed_total{endpoint=\"e\",variant=\"v1\",rule=\"variant\"} 0
-prefix_router_placement_rule_closed_total{endpoint=\"e\",variant=\"v1\",rule=\"hot_replica\"} 2
+prefix_router_cached_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\",decision=\"overload_bypass\"} 40
+# TYPE prefix_router_prefix_index_blocks gauge
+prefix_router_prefix_index_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 64
+prefix_router_prefix_index_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\"} 16
+# TYPE prefix_router_prefix_index_capacity_blocks gauge
+prefix_router_prefix_index_capacity_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 128
+prefix_router_prefix_index_capacity_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\"} 100
 # TYPE prefix_router_instance_in_flight gauge
 prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 3
 prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\"} 0
 ";
 
-    /// A second router: more of i1 (spilled), its hot_replica gate open.
+    /// A second router: more of i1 (some matched), in its index too.
     const ROUTER_B: &str = "\
 prefix_router_requests_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\",status=\"200\"} 8
 prefix_router_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\"} 1000
-prefix_router_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"spill\"} 600
+prefix_router_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_match\"} 600
 prefix_router_cached_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_hash\"} 700
-prefix_router_cached_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"spill\"} 0
-prefix_router_placement_rule_open{endpoint=\"e\",variant=\"v1\",rule=\"variant\"} 1
-prefix_router_placement_rule_open{endpoint=\"e\",variant=\"v1\",rule=\"hot_replica\"} 1
-prefix_router_placement_rule_closed_total{endpoint=\"e\",variant=\"v1\",rule=\"variant\"} 0
-prefix_router_placement_rule_closed_total{endpoint=\"e\",variant=\"v1\",rule=\"hot_replica\"} 1
+prefix_router_cached_prompt_tokens_total{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\",decision=\"prefix_match\"} 0
+prefix_router_prefix_index_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 32
+prefix_router_prefix_index_capacity_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 96
 prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 2
 ";
 
@@ -907,7 +884,7 @@ prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http:/
     }
 
     #[test]
-    fn one_router_instances_rules_and_a_closed_gate() {
+    fn one_router_instances_rules_and_its_index() {
         let report = TopReport::build(vec![up("a")], &Counters::from_text(ROUTER_A), None);
         assert_eq!(report.variants.len(), 1, "unrouted requests are left out");
         let v = &report.variants[0];
@@ -922,17 +899,19 @@ prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http:/
         let decisions: Vec<_> = v.decisions.iter().map(|d| d.decision.as_str()).collect();
         assert_eq!(
             decisions,
-            ["prefix_hash", "hot_replica"],
+            ["prefix_hash", "overload_bypass"],
             "the data plane's order"
         );
-        let gates: Vec<_> = v
-            .rule_gates
-            .iter()
-            .map(|g| (g.rule.as_str(), g.open, g.closed_total))
-            .collect();
-        assert_eq!(gates, [("variant", true, 0), ("hot_replica", false, 2)]);
+        assert_eq!(
+            i1.index,
+            Some(IndexView {
+                blocks: 64.0,
+                capacity_blocks: 128.0,
+                routers: 1
+            })
+        );
         let table = report.table();
-        assert!(table.contains("hot_replica  closed  2"), "{table}");
+        assert!(table.contains("INDEX BLOCKS/CAPACITY"), "{table}");
         // The first live refresh has no rates yet, and the live columns.
         let first = TopReport {
             live: true,
@@ -941,11 +920,11 @@ prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http:/
         .table();
         assert!(first.contains("REQ/S"), "{first}");
         assert!(
-            first.contains("http://i1  -      3          -             -        90.0%"),
+            first.contains("http://i1  -      3          -             -        90.0%      64/128"),
             "{first}"
         );
         assert!(
-            table.contains("http://i1  12        3          1000           90.0%"),
+            table.contains("http://i1  12        3          1000           90.0%  64/128"),
             "{table}"
         );
     }
@@ -969,24 +948,21 @@ prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http:/
         let rule = |name: &str| v.decisions.iter().find(|d| d.decision == name).unwrap();
         assert_eq!(rule("prefix_hash").tokens.prompt_tokens, 2000);
         assert_eq!(rule("prefix_hash").tokens.cached_share, Some(0.8));
-        assert_eq!(rule("spill").tokens.cached_share, Some(0.0));
-        assert_eq!(rule("hot_replica").tokens.cached_share, Some(0.1));
-        let hot = v
-            .rule_gates
-            .iter()
-            .find(|g| g.rule == "hot_replica")
-            .unwrap();
+        assert_eq!(rule("prefix_match").tokens.cached_share, Some(0.0));
+        assert_eq!(rule("overload_bypass").tokens.cached_share, Some(0.1));
+        // each router indexes what it sent: the mean over the routers that report an instance
+        let index = |i: usize| v.instances[i].index.unwrap();
         assert_eq!(
-            (hot.open, hot.routers_open, hot.routers, hot.closed_total),
-            (false, 1, 2, 3)
+            (index(0).blocks, index(0).capacity_blocks, index(0).routers),
+            (48.0, 112.0, 2)
         );
-        assert_eq!(hot.state(), "open on 1 of 2 routers");
+        assert_eq!(index(1).routers, 1);
         let json = serde_json::to_value(&report).unwrap();
         assert_eq!(
             json["Variants"][0]["Instances"][0]["CachedPromptTokens"],
             1600
         );
-        assert_eq!(json["Variants"][0]["RuleGates"][1]["ClosedTotal"], 3);
+        assert_eq!(json["Variants"][0]["Instances"][0]["Index"]["Blocks"], 48.0);
         assert!(json.get("IntervalSeconds").is_none());
         assert!(json["Variants"][0]["Instances"][0]
             .get("Interval")

@@ -19,19 +19,19 @@ const ROUTER_A: &str = r#"# HELP prefix_router_requests_total Requests by endpoi
 # TYPE prefix_router_requests_total counter
 prefix_router_requests_total{endpoint="",variant="",instance="",decision="none",status="404"} 1
 prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash",status="200"} 10
-prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="hot_replica",status="200"} 5
+prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="overload_bypass",status="200"} 5
 # TYPE prefix_router_prompt_tokens_total counter
 prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 1000
-prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="hot_replica"} 500
+prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="overload_bypass"} 500
 # TYPE prefix_router_cached_prompt_tokens_total counter
 prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 800
-prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="hot_replica"} 50
-# TYPE prefix_router_placement_rule_open gauge
-prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="variant"} 1
-prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="hot_replica"} 0
-# TYPE prefix_router_placement_rule_closed_total counter
-prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="variant"} 0
-prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="hot_replica"} 1
+prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002",decision="overload_bypass"} 50
+# TYPE prefix_router_prefix_index_blocks gauge
+prefix_router_prefix_index_blocks{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 120
+prefix_router_prefix_index_blocks{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002"} 40
+# TYPE prefix_router_prefix_index_capacity_blocks gauge
+prefix_router_prefix_index_capacity_blocks{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 300
+prefix_router_prefix_index_capacity_blocks{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002"} 290
 # TYPE prefix_router_instance_in_flight gauge
 prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 2
 prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://127.0.0.1:9002"} 0
@@ -40,10 +40,8 @@ prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://1
 const ROUTER_B: &str = r#"prefix_router_requests_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash",status="200"} 6
 prefix_router_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 1000
 prefix_router_cached_prompt_tokens_total{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001",decision="prefix_hash"} 600
-prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="variant"} 1
-prefix_router_placement_rule_open{endpoint="chat",variant="v1",rule="hot_replica"} 0
-prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="variant"} 0
-prefix_router_placement_rule_closed_total{endpoint="chat",variant="v1",rule="hot_replica"} 2
+prefix_router_prefix_index_blocks{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 80
+prefix_router_prefix_index_capacity_blocks{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 200
 prefix_router_instance_in_flight{endpoint="chat",variant="v1",instance="http://127.0.0.1:9001"} 1
 "#;
 
@@ -115,25 +113,19 @@ fn once_sums_two_routers_into_one_json_document_and_names_the_one_that_is_down()
             )
         })
         .collect();
-    assert_eq!(decisions, [("prefix_hash", 0.7), ("hot_replica", 0.1)]);
+    assert_eq!(decisions, [("prefix_hash", 0.7), ("overload_bypass", 0.1)]);
 
-    let gates: Vec<(&str, bool, u64, u64)> = v["RuleGates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| {
-            (
-                g["Rule"].as_str().unwrap(),
-                g["Open"].as_bool().unwrap(),
-                g["Routers"].as_u64().unwrap(),
-                g["ClosedTotal"].as_u64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        gates,
-        [("variant", true, 2, 0), ("hot_replica", false, 2, 3)]
-    );
+    // each router keeps its own index: the mean over the routers that report the instance
+    let index = |i: usize| {
+        let x = &v["Instances"][i]["Index"];
+        (
+            x["Blocks"].as_f64().unwrap(),
+            x["CapacityBlocks"].as_f64().unwrap(),
+            x["Routers"].as_u64().unwrap(),
+        )
+    };
+    assert_eq!(index(0), (100.0, 250.0, 2));
+    assert_eq!(index(1), (40.0, 290.0, 1));
 }
 
 #[test]
@@ -149,8 +141,10 @@ fn once_prints_a_table_and_fails_only_when_no_router_answers() {
     let table = String::from_utf8_lossy(&out.stdout);
     for line in [
         "endpoint chat  variant v1",
-        "hot_replica  closed  1",
-        "prefix_hash  1000           80.0%",
+        "INDEX BLOCKS/CAPACITY",
+        "120/300",
+        "40/290",
+        "prefix_hash      1000           80.0%",
     ] {
         assert!(table.contains(line), "{line:?} missing in\n{table}");
     }
