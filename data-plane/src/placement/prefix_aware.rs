@@ -1,7 +1,7 @@
 //! PREFIX_AWARE's choice: the cost of [`crate::placement`]'s module doc, per instance.
 
 use super::basic::least_loaded;
-use super::rendezvous::{rendezvous_score, rendezvous_top};
+use super::rendezvous::rendezvous_score;
 use super::{Choice, Decision, Placement};
 use crate::prefix_index::{Prediction, BLOCK_BYTES};
 use crate::table::{PrefixAware, Variant};
@@ -51,39 +51,48 @@ impl Placement {
         v.load().index().with(ids, &self.tuning, |index| {
             index.matches(prompt.blocks, depth);
             let request = index.request_bytes();
-            let top = rendezvous_top(ids, prompt.key).0;
-            // what instance i is taken to hold: its match, and on the key's rendezvous top (where
-            // every replica sends the key) at least the key
-            let held = |i: usize| -> f64 {
-                let known = depth[i] as f64 * block;
-                let assumed = if i == top {
-                    prompt.key_bytes as f64
-                } else {
-                    0.0
-                };
-                known.max(assumed).min(total)
-            };
-            let mut best: Option<(usize, Standing)> = None;
-            let mut most_held = 0.0f64;
-            for (i, inst) in instances.iter().enumerate() {
-                let state = inst.state();
-                if state.is_ejected(now) {
-                    continue;
-                }
-                let score = rendezvous_score(prompt.key, ids[i]);
-                let h = held(i);
-                most_held = most_held.max(h);
+            // One pass: each instance's cost on what the index knows, and the key's rendezvous
+            // top (every replica sends a cold key there), which is then taken to hold at least
+            // the key: that only lowers the top's cost, so it is weighed after the pass.
+            let known = |i: usize| (depth[i] as f64 * block).min(total);
+            let standing = |i: usize, held: f64, score: u64| {
+                let state = instances[i].state();
                 let (used, capacity) = index.room(i);
                 let new_blocks = (prompt.blocks.len() - depth[i] as usize) as f64;
                 let evict = (used as f64 + new_blocks - capacity.floor()).max(0.0) * block;
-                let queue = state.outstanding() as f64 * request;
-                let standing = Standing {
+                Standing {
                     over: state.outstanding() >= limit,
-                    cost: (total - h) + evict + queue,
+                    cost: (total - held) + evict + state.outstanding() as f64 * request,
                     score: std::cmp::Reverse(score),
-                };
-                if best.is_none_or(|(_, b)| standing < b) {
-                    best = Some((i, standing));
+                }
+            };
+            let mut best: Option<(usize, Standing)> = None;
+            let mut top: Option<(usize, u64)> = None;
+            let mut most_known = 0.0f64;
+            for (i, inst) in instances.iter().enumerate() {
+                let score = rendezvous_score(prompt.key, ids[i]);
+                if top.is_none_or(|(_, s)| score > s) {
+                    top = Some((i, score));
+                }
+                if inst.state().is_ejected(now) {
+                    continue;
+                }
+                let h = known(i);
+                most_known = most_known.max(h);
+                let s = standing(i, h, score);
+                if best.is_none_or(|(_, b)| s < b) {
+                    best = Some((i, s));
+                }
+            }
+            let (top, top_score) = top?;
+            let top_held = known(top).max((prompt.key_bytes as f64).min(total));
+            let held = |i: usize| if i == top { top_held } else { known(i) };
+            let mut most_held = most_known;
+            if !instances[top].state().is_ejected(now) {
+                most_held = most_held.max(top_held);
+                let s = standing(top, top_held, top_score);
+                if best.is_none_or(|(_, b)| s < b) {
+                    best = Some((top, s));
                 }
             }
             // the decision: the instance taken to hold the most of the prompt (by the index:
