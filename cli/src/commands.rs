@@ -93,6 +93,7 @@ async fn update_endpoint_config(cli: &Cli, a: &UpdateEndpointConfigArgs) -> anyh
                     PrefixAwareRoutingConfig {
                         prefix_length: a.prefix_length.unwrap_or(0),
                         concurrency_threshold: a.concurrency_threshold.unwrap_or(0),
+                        ..Default::default()
                     }
                 });
             connect(cli)

@@ -128,9 +128,11 @@ fn variants_table(variants: &[ProductionVariantDoc]) -> Table {
                 .map_or("1".into(), |w| w.to_string()),
             rc.routing_strategy.unwrap_or_else(|| "RANDOM".into()),
             prefix
+                .as_ref()
                 .and_then(|p| p.prefix_length)
                 .map_or("-".into(), |n| n.to_string()),
             prefix
+                .as_ref()
                 .and_then(|p| p.concurrency_threshold)
                 .map_or("-".into(), |n| n.to_string()),
             rc.default_priority.unwrap_or_else(|| "STANDARD".into()),
@@ -597,7 +599,7 @@ impl From<&RoutingTable> for RoutingTableDoc {
                             model_name: v.model_name.clone(),
                             weight: v.weight,
                             routing_config: RoutingConfigDoc::from(
-                                &v.routing_config.unwrap_or_default(),
+                                &v.routing_config.clone().unwrap_or_default(),
                             ),
                             instance_count: v.instances.len(),
                             instances: v

@@ -6,7 +6,8 @@
 //! list or an object holding `ProductionVariants` (a `describe-endpoint-config` answer) is accepted.
 
 use proto::{
-    PrefixAwareRoutingConfig, ProductionVariant, RequestPriority, RoutingConfig, RoutingStrategy,
+    KvEventsConfig, PrefixAwareRoutingConfig, ProductionVariant, RequestPriority, RoutingConfig,
+    RoutingStrategy,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,13 +59,33 @@ pub struct RoutingConfigDoc {
     pub default_priority: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub struct PrefixAwareRoutingConfigDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_length: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency_threshold: Option<u32>,
+    /// Where the engines publish KV-cache events (with `Tokenizer`, the routers index exactly
+    /// what each engine holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsDoc>,
+    /// The model's `tokenizer.json`, a path on the routers' disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+}
+
+/// `KvEvents`: endpoint templates filled from each instance's URL (`tcp://{host}:5557`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct KvEventsDoc {
+    pub endpoint: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_endpoint: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -140,10 +161,17 @@ impl ProductionVariantDoc {
                 Some(RoutingConfig {
                     routing_strategy: strategy as i32,
                     default_priority: priority as i32,
-                    prefix_aware_routing_config: rc.prefix_aware_routing_config.map(|p| {
+                    prefix_aware_routing_config: rc.prefix_aware_routing_config.as_ref().map(|p| {
                         PrefixAwareRoutingConfig {
                             prefix_length: p.prefix_length.unwrap_or(0),
                             concurrency_threshold: p.concurrency_threshold.unwrap_or(0),
+                            kv_events: p.kv_events.as_ref().map(|k| KvEventsConfig {
+                                endpoint: k.endpoint.clone(),
+                                replay_endpoint: k.replay_endpoint.clone().unwrap_or_default(),
+                                topic: k.topic.clone().unwrap_or_default(),
+                                block_size: k.block_size.unwrap_or(0),
+                            }),
+                            tokenizer: p.tokenizer.clone().unwrap_or_default(),
                         }
                     }),
                 })
@@ -161,7 +189,7 @@ impl ProductionVariantDoc {
 
 impl From<&ProductionVariant> for ProductionVariantDoc {
     fn from(v: &ProductionVariant) -> Self {
-        let rc = v.routing_config.unwrap_or_default();
+        let rc = v.routing_config.clone().unwrap_or_default();
         Self {
             variant_name: v.variant_name.clone(),
             model_name: v.model_name.clone(),
@@ -176,10 +204,18 @@ impl From<&RoutingConfig> for RoutingConfigDoc {
     fn from(rc: &RoutingConfig) -> Self {
         Self {
             routing_strategy: Some(strategy_name(rc.routing_strategy).to_string()),
-            prefix_aware_routing_config: rc.prefix_aware_routing_config.map(|p| {
+            prefix_aware_routing_config: rc.prefix_aware_routing_config.as_ref().map(|p| {
                 PrefixAwareRoutingConfigDoc {
                     prefix_length: Some(p.prefix_length),
                     concurrency_threshold: Some(p.concurrency_threshold),
+                    kv_events: p.kv_events.as_ref().map(|k| KvEventsDoc {
+                        endpoint: k.endpoint.clone(),
+                        replay_endpoint: (!k.replay_endpoint.is_empty())
+                            .then(|| k.replay_endpoint.clone()),
+                        topic: (!k.topic.is_empty()).then(|| k.topic.clone()),
+                        block_size: (k.block_size != 0).then_some(k.block_size),
+                    }),
+                    tokenizer: (!p.tokenizer.is_empty()).then(|| p.tokenizer.clone()),
                 }
             }),
             default_priority: match RequestPriority::try_from(rc.default_priority) {
@@ -213,7 +249,7 @@ mod tests {
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].variant_name, "v1");
         assert_eq!(v[0].initial_variant_weight, Some(1.0));
-        let rc = v[0].routing_config.unwrap();
+        let rc = v[0].routing_config.clone().unwrap();
         assert_eq!(rc.routing_strategy, RoutingStrategy::PrefixAware as i32);
         assert_eq!(rc.prefix_aware_routing_config.unwrap().prefix_length, 2048);
     }
@@ -225,7 +261,7 @@ mod tests {
             "RoutingConfig":{"RoutingStrategy":"LEAST_OUTSTANDING_REQUESTS"}}]"#;
         let v = parse_production_variants(sm, "x").unwrap();
         assert_eq!(
-            v[0].routing_config.unwrap().routing_strategy,
+            v[0].routing_config.as_ref().unwrap().routing_strategy,
             RoutingStrategy::LeastOutstandingRequests as i32
         );
         assert!(v[0].instances.is_empty());
@@ -245,10 +281,45 @@ mod tests {
     }
 
     #[test]
+    fn kv_events_and_the_tokenizer_parse_and_round_trip() {
+        let doc = r#"[{"VariantName":"v1","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"KvEvents":{"Endpoint":"tcp://{host}:5557",
+            "ReplayEndpoint":"tcp://{host}:5558","Topic":"kv","BlockSize":32},
+            "Tokenizer":"/models/m/tokenizer.json"}}}]"#;
+        let v = parse_production_variants(doc, "x").unwrap();
+        let pa = v[0]
+            .routing_config
+            .as_ref()
+            .unwrap()
+            .prefix_aware_routing_config
+            .clone()
+            .unwrap();
+        assert_eq!(
+            pa.kv_events,
+            Some(KvEventsConfig {
+                endpoint: "tcp://{host}:5557".into(),
+                replay_endpoint: "tcp://{host}:5558".into(),
+                topic: "kv".into(),
+                block_size: 32,
+            })
+        );
+        assert_eq!(pa.tokenizer, "/models/m/tokenizer.json");
+        let out = serde_json::to_string(&ProductionVariantDoc::from(&v[0])).unwrap();
+        assert!(
+            out.contains(r#""KvEvents":{"Endpoint":"tcp://{host}:5557""#),
+            "{out}"
+        );
+        assert_eq!(
+            parse_production_variants(&format!("[{out}]"), "x").unwrap(),
+            v
+        );
+    }
+
+    #[test]
     fn a_variant_names_the_priority_of_requests_that_name_none() {
         let doc = r#"[{"VariantName":"batch","RoutingConfig":{"RoutingStrategy":"RANDOM","DefaultPriority":"sheddable"}}]"#;
         let v = parse_production_variants(doc, "x").unwrap();
-        let rc = v[0].routing_config.unwrap();
+        let rc = v[0].routing_config.clone().unwrap();
         assert_eq!(rc.default_priority, RequestPriority::Sheddable as i32);
         let out = serde_json::to_string(&ProductionVariantDoc::from(&v[0])).unwrap();
         assert!(out.contains(r#""DefaultPriority":"SHEDDABLE""#), "{out}");

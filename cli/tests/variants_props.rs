@@ -97,7 +97,7 @@ proptest! {
                     prop_assert_eq!(&v.variant_name, doc["VariantName"].as_str().unwrap());
                     prop_assert_eq!(v.instances.len(), doc["Instances"].as_array().unwrap().len());
                     let want = doc["RoutingConfig"]["RoutingStrategy"].as_str();
-                    let got = v.routing_config.map(|rc| rc.routing_strategy);
+                    let got = v.routing_config.as_ref().map(|rc| rc.routing_strategy);
                     match want {
                         Some(name) => prop_assert_eq!(
                             got,

@@ -40,6 +40,7 @@ fn variants(round: usize) -> Vec<ProductionVariant> {
             prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
                 prefix_length: 2048,
                 concurrency_threshold: 64,
+                ..Default::default()
             }),
             ..Default::default()
         }),

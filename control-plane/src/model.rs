@@ -7,12 +7,13 @@
 use std::collections::HashSet;
 
 use proto::{
-    PrefixAwareRoutingConfig, ProductionVariant, RequestPriority, RoutingConfig, RoutingStrategy,
+    KvEventsConfig, PrefixAwareRoutingConfig, ProductionVariant, RequestPriority, RoutingConfig,
+    RoutingStrategy,
 };
 
 pub use proto::limits::{
     CONCURRENCY_THRESHOLD_RANGE, DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH,
-    PREFIX_LENGTH_RANGE,
+    KV_BLOCK_SIZE_RANGE, PREFIX_LENGTH_RANGE,
 };
 /// Lease given to a registered instance that asks for none.
 pub const DEFAULT_LEASE_TTL_SECONDS: u32 = 30;
@@ -246,9 +247,77 @@ fn validate_prefix_config(
             ),
         ));
     }
+    let kv_events = p
+        .kv_events
+        .map(|k| validate_kv_events(&format!("{field}.kv_events"), k))
+        .transpose()?;
+    let tokenizer = p.tokenizer.trim().to_string();
+    if kv_events.is_some() && tokenizer.is_empty() {
+        return Err(InvalidField::new(
+            format!("{field}.tokenizer"),
+            "is required with kv_events: the engines' blocks are chains of token ids, so the \
+             routers tokenize prompts with the model's tokenizer.json (a path on their disk)",
+        ));
+    }
+    if tokenizer.chars().any(char::is_control) {
+        return Err(InvalidField::new(
+            format!("{field}.tokenizer"),
+            format!("{tokenizer:?} holds a control character"),
+        ));
+    }
     Ok(PrefixAwareRoutingConfig {
         prefix_length,
         concurrency_threshold,
+        kv_events,
+        tokenizer,
+    })
+}
+
+/// Where a variant's engines publish KV events: endpoint templates that fill from an instance
+/// URL (`tcp://{host}:5557`), an optional replay template, a topic and a block size.
+fn validate_kv_events(field: &str, k: KvEventsConfig) -> Result<KvEventsConfig, InvalidField> {
+    // any instance URL fills a valid template: check the templates on one
+    const SAMPLE: &str = "http://127.0.0.1:8000";
+    let template = |name: &str, value: &str| -> Result<String, InvalidField> {
+        let value = value.trim();
+        let filled = kv_events::fill_template(value, SAMPLE)
+            .map_err(|e| InvalidField::new(format!("{field}.{name}"), e.problem.to_string()))?;
+        if !(filled.starts_with("tcp://") || filled.starts_with("ipc://")) {
+            return Err(InvalidField::new(
+                format!("{field}.{name}"),
+                format!("{value:?} is not a ZeroMQ endpoint (expected tcp://HOST:PORT, e.g. tcp://{{host}}:5557)"),
+            ));
+        }
+        Ok(value.to_string())
+    };
+    if k.endpoint.trim().is_empty() {
+        return Err(InvalidField::new(
+            format!("{field}.endpoint"),
+            "is required (e.g. tcp://{host}:5557)",
+        ));
+    }
+    let endpoint = template("endpoint", &k.endpoint)?;
+    let replay_endpoint = if k.replay_endpoint.trim().is_empty() {
+        String::new()
+    } else {
+        template("replay_endpoint", &k.replay_endpoint)?
+    };
+    if k.block_size != 0 && !KV_BLOCK_SIZE_RANGE.contains(&k.block_size) {
+        return Err(InvalidField::new(
+            format!("{field}.block_size"),
+            format!(
+                "{} is outside {}..={} (0: taken from the events)",
+                k.block_size,
+                KV_BLOCK_SIZE_RANGE.start(),
+                KV_BLOCK_SIZE_RANGE.end()
+            ),
+        ));
+    }
+    Ok(KvEventsConfig {
+        endpoint,
+        replay_endpoint,
+        topic: k.topic,
+        block_size: k.block_size,
     })
 }
 
@@ -286,7 +355,7 @@ mod tests {
             ..Default::default()
         });
         let out = validate_variants(&[v, variant("v2")]).unwrap();
-        let rc = out[0].routing_config.unwrap();
+        let rc = out[0].routing_config.clone().unwrap();
         assert_eq!(rc.default_priority, RequestPriority::Standard as i32);
         assert_eq!(out[0].initial_variant_weight, Some(1.0));
         assert_eq!(out[0].instances, vec!["http://127.0.0.1:9001".to_string()]);
@@ -295,6 +364,7 @@ mod tests {
             .as_ref()
             .unwrap()
             .prefix_aware_routing_config
+            .clone()
             .unwrap();
         assert_eq!(
             (p.prefix_length, p.concurrency_threshold),
@@ -307,6 +377,81 @@ mod tests {
     }
 
     #[test]
+    fn kv_events_are_checked_field_by_field() {
+        let with = |kv_events: Option<KvEventsConfig>, tokenizer: &str| {
+            let mut v = variant("v1");
+            v.routing_config = Some(RoutingConfig {
+                routing_strategy: RoutingStrategy::PrefixAware as i32,
+                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
+                    kv_events,
+                    tokenizer: tokenizer.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            validate_variants(&[v])
+        };
+        let kv = |endpoint: &str, replay: &str, block_size: u32| {
+            Some(KvEventsConfig {
+                endpoint: endpoint.into(),
+                replay_endpoint: replay.into(),
+                topic: "kv".into(),
+                block_size,
+            })
+        };
+        let field = "production_variants[0].routing_config.prefix_aware_routing_config";
+        let ok = with(
+            kv(" tcp://{host}:{port+1000} ", "tcp://{host}:5558", 32),
+            "/m/tokenizer.json",
+        )
+        .unwrap();
+        let p = ok[0]
+            .routing_config
+            .clone()
+            .unwrap()
+            .prefix_aware_routing_config
+            .unwrap();
+        assert_eq!(p.kv_events.unwrap().endpoint, "tcp://{host}:{port+1000}");
+        for (config, tokenizer, at, says) in [
+            (kv("", "", 0), "t", "kv_events.endpoint", "is required"),
+            (
+                kv("tcp://{hots}:5557", "", 0),
+                "t",
+                "kv_events.endpoint",
+                "unknown placeholder {hots}",
+            ),
+            (
+                kv("http://{host}:5557", "", 0),
+                "t",
+                "kv_events.endpoint",
+                "is not a ZeroMQ endpoint",
+            ),
+            (
+                kv("tcp://{host}:5557", "tcp://{host}:{port+70000}", 0),
+                "t",
+                "kv_events.replay_endpoint",
+                "past 65535",
+            ),
+            (
+                kv("tcp://{host}:5557", "", 5000),
+                "t",
+                "kv_events.block_size",
+                "5000 is outside 1..=4096",
+            ),
+            (
+                kv("tcp://{host}:5557", "", 0),
+                " ",
+                "tokenizer",
+                "is required with kv_events",
+            ),
+        ] {
+            let e = with(config, tokenizer).unwrap_err();
+            assert_eq!(e.field, format!("{field}.{at}"), "{e}");
+            assert!(e.to_string().contains(says), "{e}");
+        }
+    }
+
+    #[test]
     fn errors_name_field_and_value() {
         let mut v = variant("v1");
         v.routing_config = Some(RoutingConfig {
@@ -314,6 +459,7 @@ mod tests {
             prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
                 prefix_length: 10,
                 concurrency_threshold: 1,
+                ..Default::default()
             }),
             ..Default::default()
         });

@@ -35,6 +35,7 @@ fn wire_table(instances: usize, strategy: RoutingStrategy) -> proto::RoutingTabl
                     prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
                         prefix_length: 2048,
                         concurrency_threshold: 64,
+                        ..Default::default()
                     }),
                     ..Default::default()
                 }),

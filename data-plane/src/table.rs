@@ -73,6 +73,14 @@ pub enum TableError {
         variant: String,
         value: u32,
     },
+    #[error("endpoint {endpoint:?} variant {variant:?}: prefix_aware_routing_config.{field} {value:?}: {reason}")]
+    BadKvEvents {
+        endpoint: String,
+        variant: String,
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
     #[error("endpoint {endpoint:?} variant {variant:?}: instances[{index}].instance_id is empty")]
     EmptyInstanceId {
         endpoint: String,
@@ -120,6 +128,22 @@ impl Strategy {
             Strategy::PrefixAware(_) => "PREFIX_AWARE",
         }
     }
+}
+
+/// Where a PREFIX_AWARE variant's engines publish their KV-cache events, and the tokenizer its
+/// prompts are matched with (`prefix_aware_routing_config.kv_events` and `.tokenizer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEvents {
+    /// The engines' PUB endpoint template (`tcp://{host}:5557`).
+    pub endpoint: String,
+    /// Their replay (ROUTER) endpoint template.
+    pub replay_endpoint: Option<String>,
+    /// The topic; empty: every topic.
+    pub topic: String,
+    /// Tokens per KV block; 0: taken from the events.
+    pub block_size: u32,
+    /// The model's `tokenizer.json` on this router's disk.
+    pub tokenizer: std::path::PathBuf,
 }
 
 /// One model server behind a variant.
@@ -203,9 +227,14 @@ pub struct Variant {
     salt: u64,
     header: HeaderValue,
     load: Arc<VariantLoad>,
+    kv_events: Option<Arc<KvEvents>>,
 }
 
 impl Variant {
+    /// Where its engines publish KV events, when it is PREFIX_AWARE and names them.
+    pub fn kv_events(&self) -> Option<&Arc<KvEvents>> {
+        self.kv_events.as_ref()
+    }
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -367,6 +396,10 @@ impl RoutingTable {
                     });
                 }
                 let strategy = strategy(v, ctx)?;
+                let kv_events = match strategy {
+                    Strategy::PrefixAware(_) => kv_events(v, ctx)?,
+                    _ => None,
+                };
                 let default_priority = default_priority(v, ctx)?;
                 let prev_variant = prev_endpoint.and_then(|p| p.variant(&v.variant_name));
                 let prev_instances: HashMap<&str, &Instance> = prev_variant
@@ -469,6 +502,12 @@ impl RoutingTable {
                     strategy,
                     default_priority,
                     load: prev_variant.map(|pv| pv.load.clone()).unwrap_or_default(),
+                    // the same settings keep their Arc: a router's subscribers see no change
+                    kv_events: match (prev_variant.and_then(|pv| pv.kv_events.as_ref()), kv_events)
+                    {
+                        (Some(old), Some(new)) if **old == new => Some(old.clone()),
+                        (_, new) => new.map(Arc::new),
+                    },
                     id_hashes,
                 });
             }
@@ -548,9 +587,10 @@ fn strategy(
         proto::RoutingStrategy::Unspecified | proto::RoutingStrategy::Random => Strategy::Random,
         proto::RoutingStrategy::LeastOutstandingRequests => Strategy::LeastOutstandingRequests,
         proto::RoutingStrategy::PrefixAware => {
+            let default = proto::PrefixAwareRoutingConfig::default();
             let pa = config
-                .and_then(|c| c.prefix_aware_routing_config)
-                .unwrap_or_default();
+                .and_then(|c| c.prefix_aware_routing_config.as_ref())
+                .unwrap_or(&default);
             let prefix_length = setting(
                 pa.prefix_length,
                 DEFAULT_PREFIX_LENGTH,
@@ -579,6 +619,63 @@ fn strategy(
             })
         }
     })
+}
+
+/// A PREFIX_AWARE variant's `kv_events` and `tokenizer`, checked as the control plane does.
+fn kv_events(
+    v: &proto::VariantRoutes,
+    ctx: impl Fn() -> (String, String),
+) -> Result<Option<KvEvents>, TableError> {
+    let Some(pa) = v
+        .routing_config
+        .as_ref()
+        .and_then(|c| c.prefix_aware_routing_config.as_ref())
+    else {
+        return Ok(None);
+    };
+    let Some(k) = &pa.kv_events else {
+        return Ok(None);
+    };
+    let bad = |field: &'static str, value: &str, reason: String| {
+        let (endpoint, variant) = ctx();
+        TableError::BadKvEvents {
+            endpoint,
+            variant,
+            field,
+            value: value.to_string(),
+            reason,
+        }
+    };
+    let template = |field: &'static str, value: &str| -> Result<String, TableError> {
+        kv_events::fill_template(value, "http://127.0.0.1:8000")
+            .map_err(|e| bad(field, value, e.problem.to_string()))?;
+        Ok(value.to_string())
+    };
+    let endpoint = template("kv_events.endpoint", &k.endpoint)?;
+    let replay_endpoint = (!k.replay_endpoint.is_empty())
+        .then(|| template("kv_events.replay_endpoint", &k.replay_endpoint))
+        .transpose()?;
+    if k.block_size != 0 && !proto::limits::KV_BLOCK_SIZE_RANGE.contains(&k.block_size) {
+        return Err(bad(
+            "kv_events.block_size",
+            &k.block_size.to_string(),
+            "out of range 1..=4096 (0: taken from the events)".into(),
+        ));
+    }
+    if pa.tokenizer.is_empty() {
+        return Err(bad(
+            "tokenizer",
+            "",
+            "is required with kv_events (the model's tokenizer.json on this router's disk)".into(),
+        ));
+    }
+    Ok(Some(KvEvents {
+        endpoint,
+        replay_endpoint,
+        topic: k.topic.clone(),
+        block_size: k.block_size,
+        tokenizer: pa.tokenizer.clone().into(),
+    }))
 }
 
 /// A PREFIX_AWARE setting: `value`, or `default` when unset (0), checked against `range`; `error`
@@ -651,6 +748,7 @@ pub(crate) mod tests {
                 prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
                     prefix_length: 1024,
                     concurrency_threshold: 8,
+                    ..Default::default()
                 }),
                 ..Default::default()
             }),
@@ -825,6 +923,79 @@ pub(crate) mod tests {
             let got = err(&mut f);
             assert!(got.contains(want), "got {got:?}, want {want:?}");
         }
+    }
+
+    #[test]
+    fn kv_events_are_read_checked_and_kept_across_rebuilds() {
+        let with = |endpoint: &str, block_size: u32, tokenizer: &str| {
+            let mut t = table(
+                1,
+                "e",
+                vec![variant(
+                    "v1",
+                    RoutingStrategy::PrefixAware,
+                    &["http://127.0.0.1:1"],
+                )],
+            );
+            let pa = t.endpoints[0].variants[0]
+                .routing_config
+                .as_mut()
+                .unwrap()
+                .prefix_aware_routing_config
+                .as_mut()
+                .unwrap();
+            pa.kv_events = Some(proto::KvEventsConfig {
+                endpoint: endpoint.into(),
+                replay_endpoint: "tcp://{host}:{port+1}".into(),
+                topic: "kv".into(),
+                block_size,
+            });
+            pa.tokenizer = tokenizer.into();
+            t
+        };
+        let first = RoutingTable::try_from(with("tcp://{host}:5557", 32, "/m/t.json")).unwrap();
+        let kv = |t: &RoutingTable| t.endpoint("e").unwrap().variants()[0].kv_events().cloned();
+        let got = kv(&first).unwrap();
+        assert_eq!(
+            *got,
+            KvEvents {
+                endpoint: "tcp://{host}:5557".into(),
+                replay_endpoint: Some("tcp://{host}:{port+1}".into()),
+                topic: "kv".into(),
+                block_size: 32,
+                tokenizer: "/m/t.json".into(),
+            }
+        );
+        // the same settings keep their Arc (subscribers see no change); new ones do not
+        let same = RoutingTable::build(with("tcp://{host}:5557", 32, "/m/t.json"), Some(&first));
+        assert!(Arc::ptr_eq(&got, &kv(&same.unwrap()).unwrap()));
+        let other = RoutingTable::build(with("tcp://{host}:6000", 32, "/m/t.json"), Some(&first));
+        assert_eq!(kv(&other.unwrap()).unwrap().endpoint, "tcp://{host}:6000");
+        for (wire, says) in [
+            (
+                with("tcp://{hots}:1", 0, "t"),
+                "kv_events.endpoint \"tcp://{hots}:1\": unknown placeholder {hots}",
+            ),
+            (
+                with("tcp://{host}:1", 9999, "t"),
+                "kv_events.block_size \"9999\": out of range",
+            ),
+            (
+                with("tcp://{host}:1", 0, ""),
+                "tokenizer \"\": is required with kv_events",
+            ),
+        ] {
+            let e = RoutingTable::try_from(wire).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+        // other strategies have none
+        let mut random = with("tcp://{host}:5557", 32, "/m/t.json");
+        random.endpoints[0].variants[0]
+            .routing_config
+            .as_mut()
+            .unwrap()
+            .routing_strategy = RoutingStrategy::Random as i32;
+        assert!(kv(&RoutingTable::try_from(random).unwrap()).is_none());
     }
 
     #[test]

@@ -470,6 +470,7 @@ fn wire_table() -> impl Strategy<Value = proto::RoutingTable> {
                 prefix_aware_routing_config: Some(proto::PrefixAwareRoutingConfig {
                     prefix_length,
                     concurrency_threshold,
+                    ..Default::default()
                 }),
                 ..Default::default()
             })

@@ -443,7 +443,7 @@ async fn table_swap_under_load_loses_no_request() {
             .filter(|(i, _)| (v as usize + i) & 3 != 0)
             .map(|(_, u)| u.clone())
             .collect();
-        cp.push(simple_table(v, configs[v as usize % 4], &members));
+        cp.push(simple_table(v, configs[v as usize % 4].clone(), &members));
         cp.ack(v).await;
         let before = done.load(SeqCst);
         wait_for("requests flow on the new table", WAIT, || {

@@ -386,6 +386,7 @@ async fn main() -> anyhow::Result<()> {
                 prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
                     prefix_length: 4096,
                     concurrency_threshold: 4096,
+                    ..Default::default()
                 }),
                 ..Default::default()
             }),

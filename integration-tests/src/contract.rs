@@ -387,7 +387,10 @@ pub async fn configs_are_revisioned_and_endpoints_follow_them(backend: Backend) 
         .into_inner()
         .endpoint_config
         .unwrap();
-    let rc = latest.production_variants[0].routing_config.unwrap();
+    let rc = latest.production_variants[0]
+        .routing_config
+        .clone()
+        .unwrap();
     assert_eq!(rc.routing_strategy, RoutingStrategy::PrefixAware as i32);
     assert_eq!(rc.prefix_aware_routing_config.unwrap().prefix_length, 2048);
     let missing = c
@@ -525,6 +528,7 @@ pub async fn invalid_input_is_rejected_and_nothing_is_written(backend: Backend) 
             .prefix_aware_routing_config = Some(PrefixAwareRoutingConfig {
             prefix_length: len,
             concurrency_threshold: thr,
+            ..Default::default()
         });
         v
     };
@@ -731,7 +735,10 @@ pub async fn watcher_gets_current_table_then_each_version_and_reports_rollout(ba
         assert!(resp.version > last);
         last = resp.version;
         let v = &table.endpoints[0].variants[0];
-        assert_eq!(v.routing_config.unwrap().routing_strategy, strategy as i32);
+        assert_eq!(
+            v.routing_config.as_ref().unwrap().routing_strategy,
+            strategy as i32
+        );
         assert_eq!(v.instances.len(), 2);
         assert_eq!(table.endpoints[0].endpoint_config_revision, i as u64 + 2);
         if i == 2 {

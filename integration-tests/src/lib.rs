@@ -135,6 +135,7 @@ pub fn variant(name: &str, strategy: RoutingStrategy, instances: &[&str]) -> Pro
                 PrefixAwareRoutingConfig {
                     prefix_length: 2048,
                     concurrency_threshold: 64,
+                    ..Default::default()
                 },
             ),
             ..Default::default()

@@ -534,7 +534,7 @@ impl Client {
             };
             let routing = variant.routing_config.get_or_insert_with(Default::default);
             routing.routing_strategy = strategy as i32;
-            if let Some(p) = prefix_aware {
+            if let Some(p) = &prefix_aware {
                 let cur = routing
                     .prefix_aware_routing_config
                     .get_or_insert_with(Default::default);
@@ -543,6 +543,12 @@ impl Client {
                 }
                 if p.concurrency_threshold != 0 {
                     cur.concurrency_threshold = p.concurrency_threshold;
+                }
+                if p.kv_events.is_some() {
+                    cur.kv_events.clone_from(&p.kv_events);
+                }
+                if !p.tokenizer.is_empty() {
+                    cur.tokenizer.clone_from(&p.tokenizer);
                 }
             }
             match self

@@ -29,6 +29,8 @@ pub mod limits {
     pub const DEFAULT_PREFIX_LENGTH: u32 = 2048;
     /// Used when a PREFIX_AWARE variant leaves `concurrency_threshold` unset (0).
     pub const DEFAULT_CONCURRENCY_THRESHOLD: u32 = 64;
+    /// Allowed `kv_events.block_size` (tokens per KV block; 0 = taken from the events).
+    pub const KV_BLOCK_SIZE_RANGE: std::ops::RangeInclusive<u32> = 1..=4096;
 }
 
 impl RoutingStrategy {

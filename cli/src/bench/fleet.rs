@@ -263,6 +263,7 @@ impl Fleet {
                 prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
                     prefix_length: self.spec.prefix_length,
                     concurrency_threshold: self.spec.concurrency_threshold,
+                    ..Default::default()
                 }),
                 ..Default::default()
             }),

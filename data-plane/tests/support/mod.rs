@@ -196,6 +196,7 @@ pub fn prefix_aware(prefix_length: u32, concurrency_threshold: u32) -> RoutingCo
         prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
             prefix_length,
             concurrency_threshold,
+            ..Default::default()
         }),
         ..Default::default()
     }
