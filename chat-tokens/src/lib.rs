@@ -27,6 +27,7 @@
 //! as nulls: a template that prints whole tool objects differs there).
 
 mod conversation;
+mod segments;
 mod template;
 
 use std::path::{Path, PathBuf};
@@ -102,7 +103,12 @@ pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
     templates: Option<template::Templates>,
     special: template::SpecialTokens,
+    splitter: Option<segments::Splitter>,
+    cache: segments::SegmentCache,
 }
+
+/// The default bound on remembered piece ids: 256 Ki ids (1 MiB) per generation, two generations.
+pub const DEFAULT_CACHE_TOKENS: usize = 256 * 1024;
 
 impl ChatTokenizer {
     /// Loads `tokenizer.json` at `path` and the chat template and special tokens beside it
@@ -127,10 +133,28 @@ impl ChatTokenizer {
         let (templates, special) = template::load(dir)?;
         Ok(ChatTokenizer {
             path,
+            splitter: segments::Splitter::new(&tokenizer),
             tokenizer,
             templates,
             special,
+            cache: segments::SegmentCache::new(DEFAULT_CACHE_TOKENS),
         })
+    }
+
+    /// Sets how many token ids of rendered-chat pieces (the text between special tokens, e.g. one
+    /// message) are remembered, per generation of two; 0 encodes every chat whole. The ids are
+    /// the same either way; the memory makes a resent system prompt or conversation history cost
+    /// a lookup. Default [`DEFAULT_CACHE_TOKENS`].
+    pub fn with_cache_tokens(mut self, capacity_tokens: usize) -> Self {
+        self.cache = segments::SegmentCache::new(capacity_tokens);
+        self
+    }
+
+    /// Whether chats are encoded piece by piece with remembered pieces (the tokenizer has
+    /// special tokens to split on, none with `lstrip`/`rstrip`/`single_word`, and the memory is
+    /// not 0).
+    pub fn remembers_pieces(&self) -> bool {
+        self.splitter.is_some() && self.cache.capacity_tokens() > 0
     }
 
     /// The tokenizer.json this was loaded from.
@@ -185,7 +209,23 @@ impl ChatTokenizer {
             RequestKind::Chat => {
                 let add_special = flag(body, "add_special_tokens")?.unwrap_or(false);
                 let text = self.render(body)?;
-                self.encode(&text, add_special, out)
+                match &self.splitter {
+                    Some(splitter) if !add_special && self.cache.capacity_tokens() > 0 => splitter
+                        .split(&text, |piece| {
+                            match piece {
+                                segments::Piece::Token(id) => out.push(id),
+                                segments::Piece::Text(text) => {
+                                    let ids = self.cache.get_or_encode(text, |t| {
+                                        let mut ids = Vec::new();
+                                        self.encode(t, false, &mut ids).map(|()| ids)
+                                    })?;
+                                    out.extend_from_slice(&ids);
+                                }
+                            }
+                            Ok(())
+                        }),
+                    _ => self.encode(&text, add_special, out),
+                }
             }
             RequestKind::Completions => {
                 let add_special = flag(body, "add_special_tokens")?.unwrap_or(true);

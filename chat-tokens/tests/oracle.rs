@@ -110,6 +110,14 @@ fn random_chats_and_completions_match_python() {
     }
     let dir = common::fixture_dir();
     let tokenizer = ChatTokenizer::load(dir.join("tokenizer.json")).unwrap();
+    assert!(tokenizer.remembers_pieces());
+    // Chats encoded whole, and piece by piece with a memory small enough to turn over.
+    let whole = ChatTokenizer::load(dir.join("tokenizer.json"))
+        .unwrap()
+        .with_cache_tokens(0);
+    let small = ChatTokenizer::load(dir.join("tokenizer.json"))
+        .unwrap()
+        .with_cache_tokens(300);
     let mut rng = SmallRng::seed_from_u64(56);
     let mut bodies = Vec::new();
     for i in 0..60 {
@@ -163,6 +171,15 @@ fn random_chats_and_completions_match_python() {
                 RequestKind::Completions => String::new(),
             };
             panic!("tokens differ for {body}\nrust rendered: {rendered:?}\nrust:   {ids:?}\npython: {expected:?}");
+        }
+        for (name, other) in [
+            ("whole", &whole),
+            ("small memory", &small),
+            ("again", &tokenizer),
+        ] {
+            let mut again = Vec::new();
+            other.tokens(body.as_bytes(), kind, &mut again).unwrap();
+            assert_eq!(again, expected, "{name}: {body}");
         }
         longest = longest.max(ids.len());
     }
