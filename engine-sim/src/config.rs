@@ -87,6 +87,32 @@ pub struct Config {
     #[arg(long, value_name = "KEY", env = "VLLM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 
+    /// The model's `tokenizer.json` (its chat template read from `chat_template.jinja` or
+    /// `tokenizer_config.json` beside it): prompts become the token ids vLLM computes, cache blocks
+    /// are --block-size ids, and token counts are in those tokens. Without it a token is 4 bytes of
+    /// the canonical prompt.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<std::path::PathBuf>,
+
+    /// Publish the cache's KV events in vLLM's wire format on a ZeroMQ PUB socket bound here
+    /// (`BlockStored` for each block stored, `BlockRemoved` for each eviction). Needs --tokenizer:
+    /// the events carry token ids.
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "tokenizer")]
+    pub kv_events_endpoint: Option<String>,
+
+    /// Serve replays of the last --kv-events-buffer-steps batches on a ZeroMQ ROUTER socket bound
+    /// here, as vLLM's ZmqEventPublisher does.
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events_endpoint")]
+    pub kv_events_replay_endpoint: Option<String>,
+
+    /// The topic of every KV-event message (vLLM's `topic`; its recipes use "kv").
+    #[arg(long, default_value = "kv")]
+    pub kv_events_topic: String,
+
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub kv_events_buffer_steps: u64,
+
     /// Logs and traces (used by the binary; `serve` ignores them).
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
@@ -185,6 +211,13 @@ mod tests {
         assert!(Config::try_parse_from(["engine-sim", "--time-scale", "-1"]).is_err());
         assert!(Config::try_parse_from(["engine-sim", "--fail-rate", "1.5"]).is_err());
         assert!(Config::try_parse_from(["engine-sim", "--max-num-seqs", "0"]).is_err());
+        let e = Config::try_parse_from(["engine-sim", "--kv-events-endpoint", "tcp://*:5557"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--tokenizer") && e.contains("--kv-events-endpoint"),
+            "{e}"
+        );
         let c =
             Config::try_parse_from(["engine-sim", "--time-scale", "0.1", "--seed", "7"]).unwrap();
         assert_eq!(c.time_scale, 0.1);

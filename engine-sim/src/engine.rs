@@ -28,7 +28,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::{scaled_secs, Config};
 use crate::histogram::{Histogram, TTFT_BUCKETS};
-use crate::kv_cache::{PrefixCache, PromptBlocks};
+use crate::kv_cache::{CacheChange, PrefixCache, PromptBlocks};
+use crate::kv_events::{CacheEvent, Outbox};
 
 /// One simulated engine: its configuration, KV cache, scheduler state and counters.
 /// Shared (`Arc`) by the HTTP server and any in-process user that wants [`Engine::stats`].
@@ -41,6 +42,10 @@ pub struct Engine {
     ttft_overhead: Duration,
     itl: Duration,
     prefill_secs_per_token: f64,
+    /// `--tokenizer`: prompts as the engine's token ids.
+    pub(crate) tokenizer: Option<Arc<chat_tokens::ChatTokenizer>>,
+    /// `--kv-events-endpoint`: the cache's changes, to the publisher task.
+    pub(crate) kv_events: Option<Outbox>,
 }
 
 struct Scheduler {
@@ -95,10 +100,38 @@ pub struct Stats {
 
 impl Engine {
     /// An idle engine with an empty cache.
+    ///
+    /// # Panics
+    /// If `config.tokenizer` cannot be loaded or `kv_events_endpoint` is set without it; use
+    /// [`Engine::try_new`] to get the error instead.
     pub fn new(config: Config) -> Arc<Self> {
+        match Self::try_new(config) {
+            Ok(engine) => engine,
+            Err(e) => panic!("engine-sim: {e:#}"),
+        }
+    }
+
+    /// An idle engine with an empty cache, its tokenizer loaded.
+    pub fn try_new(config: Config) -> anyhow::Result<Arc<Self>> {
+        if config.kv_events_endpoint.is_some() && config.tokenizer.is_none() {
+            anyhow::bail!(
+                "--kv-events-endpoint needs --tokenizer: the events carry the prompt's token ids"
+            );
+        }
+        let tokenizer = match &config.tokenizer {
+            Some(path) => Some(Arc::new(
+                chat_tokens::ChatTokenizer::load(path)
+                    .map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?,
+            )),
+            None => None,
+        };
         let permits = (config.max_num_seqs.max(1) as usize).min(Semaphore::MAX_PERMITS);
-        let cache = PrefixCache::new(config.kv_capacity_blocks());
-        Arc::new(Self {
+        let mut cache = PrefixCache::new(config.kv_capacity_blocks());
+        let kv_events = config.kv_events_endpoint.as_ref().map(|_| {
+            cache.record_changes();
+            Outbox::new()
+        });
+        Ok(Arc::new(Self {
             admission: Semaphore::new(permits),
             scheduler: Mutex::new(Scheduler {
                 cache,
@@ -109,8 +142,49 @@ impl Engine {
             ttft_overhead: config.scaled_ms(config.ttft_overhead_ms),
             itl: config.scaled_ms(config.itl_ms),
             prefill_secs_per_token: config.time_scale / config.prefill_tokens_per_s,
+            tokenizer,
+            kv_events,
             config,
-        })
+        }))
+    }
+
+    /// Publishes what the cache changed in the last insertion of the blocks `hashes` of a
+    /// prompt whose token ids are `token_ids` (`None`: a prompt without ids, whose stored blocks
+    /// cannot be described; its evictions still are). Called with the scheduler lock held.
+    fn publish_changes(&self, s: &mut Scheduler, hashes: &[u64], token_ids: Option<&[u32]>) {
+        let Some(outbox) = &self.kv_events else {
+            return;
+        };
+        let block = self.config.block_size as usize;
+        let mut batch: Vec<CacheEvent> = Vec::new();
+        for change in s.cache.take_changes() {
+            match (change, batch.last_mut()) {
+                (CacheChange::Evicted(h), Some(CacheEvent::Removed { hashes })) => hashes.push(h),
+                (CacheChange::Evicted(h), _) => batch.push(CacheEvent::Removed { hashes: vec![h] }),
+                (CacheChange::Stored(i), last) => {
+                    let Some(ids) = token_ids else { continue };
+                    let Some(block_ids) = ids.get(i * block..(i + 1) * block) else {
+                        continue;
+                    };
+                    match last {
+                        Some(CacheEvent::Stored {
+                            hashes: stored,
+                            token_ids,
+                            ..
+                        }) if i > 0 && stored.last() == Some(&hashes[i - 1]) => {
+                            stored.push(hashes[i]);
+                            token_ids.extend_from_slice(block_ids);
+                        }
+                        _ => batch.push(CacheEvent::Stored {
+                            hashes: vec![hashes[i]],
+                            parent: i.checked_sub(1).map(|p| hashes[p]),
+                            token_ids: block_ids.to_vec(),
+                        }),
+                    }
+                }
+            }
+        }
+        outbox.send(batch);
     }
 
     /// The configuration the engine runs with.
@@ -166,6 +240,16 @@ impl Engine {
     /// Waits for a running slot (FIFO), then looks the prompt up in the cache and reserves its
     /// prefill. Dropping the future while it waits leaves no trace.
     pub async fn admit(self: &Arc<Self>, prompt: PromptBlocks) -> Sequence {
+        self.admit_tokens(prompt, None).await
+    }
+
+    /// [`Engine::admit`] for a prompt of token ids (`prompt` their digest,
+    /// [`PromptBlocks::from_token_ids`]), which the KV events of its blocks carry.
+    pub async fn admit_tokens(
+        self: &Arc<Self>,
+        prompt: PromptBlocks,
+        token_ids: Option<Arc<[u32]>>,
+    ) -> Sequence {
         let arrival = Instant::now();
         {
             let _waiting = GaugeGuard::increment(&self.counters.waiting);
@@ -198,6 +282,7 @@ impl Engine {
         Sequence {
             engine: Arc::clone(self),
             hashes: prompt.hashes,
+            token_ids,
             pinned: matched,
             inserted: false,
             prompt_tokens,
@@ -223,6 +308,8 @@ impl Engine {
 pub struct Sequence {
     engine: Arc<Engine>,
     hashes: Vec<u64>,
+    /// The prompt's token ids, when it was tokenized (for KV events).
+    token_ids: Option<Arc<[u32]>>,
     /// Leading blocks of `hashes` this request pins.
     pinned: usize,
     inserted: bool,
@@ -257,6 +344,8 @@ impl Sequence {
         if !self.inserted {
             let mut s = self.engine.lock();
             self.pinned = s.cache.insert_and_pin(&self.hashes, self.pinned);
+            self.engine
+                .publish_changes(&mut s, &self.hashes, self.token_ids.as_deref());
             self.inserted = true;
         }
         sleep_until_deadline(self.next_token_at).await;
@@ -305,6 +394,8 @@ impl Sequence {
         debug_assert_eq!(extended.hashes[..self.hashes.len()], self.hashes[..]);
         let mut s = self.engine.lock();
         self.pinned = s.cache.insert_and_pin(&extended.hashes, self.pinned);
+        // The output's token ids are not known: its stored blocks are not described.
+        self.engine.publish_changes(&mut s, &extended.hashes, None);
         self.hashes = extended.hashes;
     }
 

@@ -12,6 +12,12 @@
 //! - The cache never holds more than its capacity: blocks that do not fit even after evicting
 //!   every unpinned block are simply not cached.
 //!
+//! - With a tokenizer (`--tokenizer`) the prompt is token ids instead: blocks of `block_size` ids,
+//!   block `i`'s hash `xxh3_64_with_seed(little-endian u32 ids of block i, hash_{i-1})`
+//!   ([`PromptBlocks::from_token_ids`]); the rules above are the same.
+//! - The cache can record what it stores and evicts ([`PrefixCache::record_changes`]), in order,
+//!   for the KV events an engine publishes.
+//!
 //! Cost: a lookup or insertion is O(blocks of the prompt) (hash map + intrusive LRU list over a
 //! slab); nothing ever scans the whole cache.
 
@@ -47,6 +53,40 @@ impl PromptBlocks {
     pub fn prompt_tokens(&self) -> u64 {
         self.prompt_bytes.div_ceil(crate::BYTES_PER_TOKEN as u64)
     }
+}
+
+impl PromptBlocks {
+    /// The digest of a prompt of token ids, in blocks of `block_size` ids (at least 1); its
+    /// `prompt_bytes` are 4 per id, so [`PromptBlocks::prompt_tokens`] is the number of ids.
+    pub fn from_token_ids(ids: &[u32], block_size: usize) -> Self {
+        let block_size = block_size.max(1);
+        let mut hashes = Vec::with_capacity(ids.len() / block_size);
+        let mut prev = 0;
+        let mut bytes = Vec::with_capacity(block_size * 4);
+        let mut blocks = ids.chunks_exact(block_size);
+        for block in &mut blocks {
+            bytes.clear();
+            bytes.extend(block.iter().flat_map(|id| id.to_le_bytes()));
+            prev = xxh3_64_with_seed(&bytes, prev);
+            hashes.push(prev);
+        }
+        bytes.clear();
+        bytes.extend(blocks.remainder().iter().flat_map(|id| id.to_le_bytes()));
+        PromptBlocks {
+            prompt_hash: xxh3_64_with_seed(&bytes, prev),
+            hashes,
+            prompt_bytes: ids.len() as u64 * crate::BYTES_PER_TOKEN as u64,
+        }
+    }
+}
+
+/// One change to the cache's contents, as [`PrefixCache::take_changes`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheChange {
+    /// `hashes[i]` of the `insert_and_pin` call was stored.
+    Stored(usize),
+    /// The block with this hash was evicted.
+    Evicted(u64),
 }
 
 impl BlockHasher {
@@ -146,6 +186,8 @@ pub struct PrefixCache {
     /// Most recently used unpinned block.
     lru_tail: u32,
     pinned: usize,
+    /// What changed since the last `take_changes`, when recording.
+    changes: Option<Vec<CacheChange>>,
 }
 
 impl std::fmt::Debug for PrefixCache {
@@ -170,7 +212,21 @@ impl PrefixCache {
             lru_head: NIL,
             lru_tail: NIL,
             pinned: 0,
+            changes: None,
         }
+    }
+
+    /// From now on, records every block stored and evicted, for [`PrefixCache::take_changes`].
+    pub fn record_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes recorded since the last call, in order (empty when not recording).
+    pub fn take_changes(&mut self) -> Vec<CacheChange> {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Capacity in blocks.
@@ -238,7 +294,7 @@ impl PrefixCache {
     /// `hashes` are now pinned by the caller; pass exactly that prefix to [`PrefixCache::release`].
     pub fn insert_and_pin(&mut self, hashes: &[u64], already_pinned: usize) -> usize {
         let mut pinned = already_pinned.min(hashes.len());
-        for &h in &hashes[pinned..] {
+        for (i, &h) in hashes.iter().enumerate().skip(pinned) {
             if let Some(&slot) = self.index.get(&h) {
                 // Another request computed and cached it meanwhile.
                 self.pin(slot);
@@ -251,6 +307,9 @@ impl PrefixCache {
                 s.next = NIL;
                 self.pinned += 1;
                 self.index.insert(h, slot);
+                if let Some(changes) = &mut self.changes {
+                    changes.push(CacheChange::Stored(i));
+                }
             }
             pinned += 1;
         }
@@ -306,6 +365,9 @@ impl PrefixCache {
         self.unlink(victim);
         let hash = self.slots[victim as usize].hash;
         self.index.remove(&hash);
+        if let Some(changes) = &mut self.changes {
+            changes.push(CacheChange::Evicted(hash));
+        }
         Some(victim)
     }
 
@@ -508,6 +570,43 @@ mod tests {
         assert_eq!(serve(&mut cache, &c), 0);
         assert!(cache.contains(c.hashes[0]));
         assert_eq!(cache.len(), 3);
+    }
+
+    #[test]
+    fn token_blocks_chain_and_changes_are_recorded_in_order() {
+        let ids: Vec<u32> = (0..70).collect();
+        let p = PromptBlocks::from_token_ids(&ids, 32);
+        assert_eq!(p.hashes.len(), 2);
+        assert_eq!(p.prompt_tokens(), 70);
+        let le = |ids: &[u32]| {
+            ids.iter()
+                .flat_map(|i| i.to_le_bytes())
+                .collect::<Vec<u8>>()
+        };
+        assert_eq!(p.hashes[0], xxh3_64_with_seed(&le(&ids[..32]), 0));
+        assert_eq!(
+            p.hashes[1],
+            xxh3_64_with_seed(&le(&ids[32..64]), p.hashes[0])
+        );
+        let mut cache = PrefixCache::new(2);
+        cache.record_changes();
+        serve(&mut cache, &p);
+        assert_eq!(
+            cache.take_changes(),
+            [CacheChange::Stored(0), CacheChange::Stored(1)]
+        );
+        let q = PromptBlocks::from_token_ids(&ids[1..], 32);
+        serve(&mut cache, &q);
+        // Released tail first, so block 1 is evicted first.
+        assert_eq!(
+            cache.take_changes(),
+            [
+                CacheChange::Evicted(p.hashes[1]),
+                CacheChange::Stored(0),
+                CacheChange::Evicted(p.hashes[0]),
+                CacheChange::Stored(1)
+            ]
+        );
     }
 
     #[test]

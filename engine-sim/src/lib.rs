@@ -7,7 +7,10 @@
 //! - [`config`]: [`Config`], the binary's flags (clap) and the in-process configuration.
 //! - [`prompt`]: the canonical prompt text of a request, **shared with the router**
 //!   ([`canonical_prompt`], zero-copy [`visit_canonical_prompt`]), and request validation.
-//! - [`kv_cache`]: the pure prefix-cache model: chained block hashes, pinning, LRU eviction.
+//! - [`kv_cache`]: the pure prefix-cache model: chained block hashes (over the canonical prompt's
+//!   bytes, or over token ids with `--tokenizer`), pinning, LRU eviction, recorded changes.
+//! - `kv_events`: the cache's changes published as vLLM's KV events (ZeroMQ PUB + replay ROUTER,
+//!   msgpack), off the engine's path through a bounded channel.
 //! - [`engine`]: the timing model (admission, prefill lane, decode steps) and counters
 //!   ([`Engine`], [`Stats`]).
 //! - `metrics`: Prometheus exposition with vLLM's metric names.
@@ -29,6 +32,7 @@ mod embeddings;
 pub mod engine;
 mod histogram;
 pub mod kv_cache;
+mod kv_events;
 mod metrics;
 mod openai;
 pub mod prompt;
@@ -38,7 +42,7 @@ mod server;
 
 pub use config::Config;
 pub use engine::{Engine, Sequence, Stats};
-pub use kv_cache::{BlockHasher, PrefixCache, PromptBlocks};
+pub use kv_cache::{BlockHasher, CacheChange, PrefixCache, PromptBlocks};
 pub use prompt::{canonical_prompt, canonical_prompt_for, visit_canonical_prompt, ApiKind};
 pub use server::{serve, serve_engine};
 

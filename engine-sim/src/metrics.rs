@@ -79,6 +79,25 @@ pub(crate) fn render(engine: &Engine) -> String {
     for (name, help, value) in counters {
         out.counter(name, help).sample(&labels, value as f64);
     }
+    if let Some(outbox) = &engine.kv_events {
+        let c = &outbox.counters;
+        let kv: [(&str, &str, u64); 2] = [
+            (
+                "engine_sim_kv_events_published_total",
+                "KV-event batches published (--kv-events-endpoint).",
+                c.published_batches
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            ),
+            (
+                "engine_sim_kv_events_dropped_total",
+                "KV-event batches dropped because the publisher's queue was full.",
+                c.dropped_batches.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        ];
+        for (name, help, value) in kv {
+            out.counter(name, help).sample(&labels, value as f64);
+        }
+    }
     let h = &engine.ttft;
     let counts = h.counts();
     out.histogram(

@@ -29,7 +29,7 @@ use tracing::{debug, warn, Span};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine::Engine;
-use crate::kv_cache::BlockHasher;
+use crate::kv_cache::{BlockHasher, PromptBlocks};
 use crate::openai::{self, Filler, ResponseMeta, StreamEncoder, Usage};
 use crate::prompt::{self, ApiKind, InvalidRequest};
 use crate::reply::{
@@ -48,7 +48,7 @@ pub async fn serve(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    serve_engine(listener, Engine::new(config), shutdown).await
+    serve_engine(listener, Engine::try_new(config)?, shutdown).await
 }
 
 /// [`serve`] for an engine the caller keeps a handle on (to read [`Engine::stats`]).
@@ -57,6 +57,33 @@ pub async fn serve_engine(
     engine: Arc<Engine>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let publisher = match &engine.kv_events {
+        Some(outbox) => {
+            let c = engine.config();
+            crate::kv_events::start(
+                outbox,
+                crate::kv_events::PublisherConfig {
+                    endpoint: c.kv_events_endpoint.clone().unwrap_or_default(),
+                    replay_endpoint: c.kv_events_replay_endpoint.clone(),
+                    topic: c.kv_events_topic.clone(),
+                    buffer_steps: usize::try_from(c.kv_events_buffer_steps).unwrap_or(usize::MAX),
+                    block_size: c.block_size,
+                },
+            )
+            .await?
+        }
+        None => None,
+    };
+    // The sockets close when serving stops.
+    struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            if let Some(task) = &self.0 {
+                task.abort();
+            }
+        }
+    }
+    let _publisher = AbortOnDrop(publisher);
     let graceful = GracefulShutdown::new();
     let mut http = http1::Builder::new();
     // No header read timeout: it would also close idle keep-alive connections after 30 s, and a
@@ -276,15 +303,37 @@ async fn completion_traced(
     if let Err(e) = prompt::visit_canonical_prompt(kind, &body, |p| hasher.update(p.as_bytes())) {
         return invalid(&e);
     }
+    // With a tokenizer the prompt is the engine's token ids (the body validated above all the
+    // same); the output is not cached then (its ids are not known).
+    let token_ids: Option<Arc<[u32]>> = match &engine.tokenizer {
+        Some(tokenizer) => {
+            let mut ids = Vec::new();
+            let tokens_kind = match kind {
+                ApiKind::Chat => chat_tokens::RequestKind::Chat,
+                ApiKind::Completions => chat_tokens::RequestKind::Completions,
+            };
+            if let Err(e) = tokenizer.tokens(&raw, tokens_kind, &mut ids) {
+                return invalid(&InvalidRequest {
+                    message: e.to_string(),
+                    param: None,
+                });
+            }
+            Some(ids.into())
+        }
+        None => None,
+    };
     // Chat answers are cached after the prompt as the next turn will resend them:
     // `assistant\n{text}` (the canonical form of the assistant message, without its closing
     // newline, which belongs to the next prompt).
-    let output_hasher = (kind == ApiKind::Chat).then(|| {
+    let output_hasher = (kind == ApiKind::Chat && token_ids.is_none()).then(|| {
         let mut h = hasher.clone();
         h.update(b"assistant\n");
         h
     });
-    let prompt = hasher.finish();
+    let prompt = match &token_ids {
+        Some(ids) => PromptBlocks::from_token_ids(ids, config.block_size as usize),
+        None => hasher.finish(),
+    };
     let prompt_tokens = prompt.prompt_tokens();
     let max_tokens = params.max_tokens;
     if prompt_tokens.saturating_add(max_tokens) > config.max_model_len {
@@ -329,7 +378,7 @@ async fn completion_traced(
         tokio::spawn(async move {
             let produce = async {
                 let queue = queue_span(&span);
-                let mut seq = engine.admit(prompt).await;
+                let mut seq = engine.admit_tokens(prompt, token_ids).await;
                 drop(queue);
                 let mut filler = Filler::new(filler_seed);
                 let prefill = prefill_span(&span, &seq);
@@ -386,7 +435,7 @@ async fn completion_traced(
 
     // Non-streaming: if the client goes away hyper drops this future, and `seq` with it.
     let queue = queue_span(&span);
-    let mut seq = engine.admit(prompt).await;
+    let mut seq = engine.admit_tokens(prompt, token_ids).await;
     drop(queue);
     let prefill = prefill_span(&span, &seq);
     seq.first_token().await;
