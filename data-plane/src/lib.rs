@@ -56,6 +56,8 @@ pub mod decision;
 pub mod ext_proc;
 pub mod flow;
 pub mod histogram;
+mod kv;
+pub mod kv_index;
 pub mod load;
 pub mod metrics;
 pub mod models;
@@ -198,6 +200,7 @@ pub async fn serve_with_picker(
             tls: control_plane_tls,
         },
     )));
+    let _kv_events = AbortOnDrop(tokio::spawn(kv::run(router.clone())));
     let workers = router.metrics.worker_connections.len();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, node_id, workers, control_plane = %config.control_plane, "data plane serving");

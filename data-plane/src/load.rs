@@ -95,6 +95,7 @@ impl InstanceState {
 pub struct VariantLoad {
     outstanding: AtomicU64,
     index: OnceLock<PrefixIndex>,
+    kv: OnceLock<Arc<crate::kv_index::KvIndex>>,
     /// Requests waiting for an instance below its in-flight limit ([`crate::flow`]).
     flow: Queue,
 }
@@ -114,6 +115,16 @@ impl VariantLoad {
     /// never was PREFIX_AWARE).
     pub fn index(&self) -> &PrefixIndex {
         self.index.get_or_init(PrefixIndex::default)
+    }
+
+    /// The exact prefix index fed by the engines' KV events (made on first use).
+    pub fn kv(&self) -> &Arc<crate::kv_index::KvIndex> {
+        self.kv.get_or_init(Default::default)
+    }
+
+    /// The exact index, if one was ever made.
+    pub fn kv_if_any(&self) -> Option<&Arc<crate::kv_index::KvIndex>> {
+        self.kv.get()
     }
 
     /// The prefix index, if one was ever made.

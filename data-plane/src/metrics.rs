@@ -225,6 +225,7 @@ impl Metrics {
                 );
             }
         }
+        crate::kv::render_metrics(&mut out, table);
         let mut in_flight = out.gauge(
             "prefix_router_instance_in_flight",
             "Requests in flight per instance (until the response body ends).",

@@ -35,7 +35,7 @@ pub use crate::prompt::PREFIX_BLOCK_BYTES as BLOCK_BYTES;
 
 /// Keys are already xxh3 hashes: pass them through.
 #[derive(Default)]
-struct KeyHasher(u64);
+pub(crate) struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
@@ -51,7 +51,7 @@ impl Hasher for KeyHasher {
     }
 }
 
-type Map<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
+pub(crate) type Map<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
 
 /// The smallest capacity a report can shrink an instance to, in blocks.
 const MIN_CAPACITY: f64 = 4.0;

@@ -131,9 +131,17 @@ impl Strategy {
 }
 
 /// Where a PREFIX_AWARE variant's engines publish their KV-cache events, and the tokenizer its
-/// prompts are matched with (`prefix_aware_routing_config.kv_events` and `.tokenizer`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// prompts are matched with (`prefix_aware_routing_config.kv_events` and `.tokenizer`), loaded.
+#[derive(Debug)]
 pub struct KvEvents {
+    pub settings: KvSettings,
+    /// The tokenizer at `settings.tokenizer`, loaded when the settings last changed.
+    pub tokenizer: chat_tokens::ChatTokenizer,
+}
+
+/// The settings of [`KvEvents`] as the table gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvSettings {
     /// The engines' PUB endpoint template (`tcp://{host}:5557`).
     pub endpoint: String,
     /// Their replay (ROUTER) endpoint template.
@@ -402,6 +410,29 @@ impl RoutingTable {
                 };
                 let default_priority = default_priority(v, ctx)?;
                 let prev_variant = prev_endpoint.and_then(|p| p.variant(&v.variant_name));
+                // the same settings keep their Arc (and tokenizer): subscribers see no change
+                let kv_events = match (prev_variant.and_then(|pv| pv.kv_events.as_ref()), kv_events)
+                {
+                    (Some(old), Some(new)) if old.settings == new => Some(old.clone()),
+                    (_, Some(settings)) => {
+                        let tokenizer = chat_tokens::ChatTokenizer::load(&settings.tokenizer)
+                            .map_err(|e| {
+                                let (endpoint, variant) = ctx();
+                                TableError::BadKvEvents {
+                                    endpoint,
+                                    variant,
+                                    field: "tokenizer",
+                                    value: settings.tokenizer.display().to_string(),
+                                    reason: e.to_string(),
+                                }
+                            })?;
+                        Some(Arc::new(KvEvents {
+                            settings,
+                            tokenizer,
+                        }))
+                    }
+                    (_, None) => None,
+                };
                 let prev_instances: HashMap<&str, &Instance> = prev_variant
                     .map(|pv| pv.instances.iter().map(|i| (&*i.id, i)).collect())
                     .unwrap_or_default();
@@ -502,12 +533,7 @@ impl RoutingTable {
                     strategy,
                     default_priority,
                     load: prev_variant.map(|pv| pv.load.clone()).unwrap_or_default(),
-                    // the same settings keep their Arc: a router's subscribers see no change
-                    kv_events: match (prev_variant.and_then(|pv| pv.kv_events.as_ref()), kv_events)
-                    {
-                        (Some(old), Some(new)) if **old == new => Some(old.clone()),
-                        (_, new) => new.map(Arc::new),
-                    },
+                    kv_events,
                     id_hashes,
                 });
             }
@@ -625,7 +651,7 @@ fn strategy(
 fn kv_events(
     v: &proto::VariantRoutes,
     ctx: impl Fn() -> (String, String),
-) -> Result<Option<KvEvents>, TableError> {
+) -> Result<Option<KvSettings>, TableError> {
     let Some(pa) = v
         .routing_config
         .as_ref()
@@ -669,7 +695,7 @@ fn kv_events(
             "is required with kv_events (the model's tokenizer.json on this router's disk)".into(),
         ));
     }
-    Ok(Some(KvEvents {
+    Ok(Some(KvSettings {
         endpoint,
         replay_endpoint,
         topic: k.topic.clone(),
@@ -925,6 +951,32 @@ pub(crate) mod tests {
         }
     }
 
+    /// `v` (PREFIX_AWARE) with its engines' KV events and a tokenizer.
+    pub(crate) fn with_kv_events(
+        v: &mut VariantRoutes,
+        kv: proto::KvEventsConfig,
+        tokenizer: &str,
+    ) {
+        let pa = v
+            .routing_config
+            .as_mut()
+            .unwrap()
+            .prefix_aware_routing_config
+            .as_mut()
+            .unwrap();
+        pa.kv_events = Some(kv);
+        pa.tokenizer = tokenizer.into();
+    }
+
+    /// The tiny tokenizer of chat-tokens' tests (a ByteLevel BPE and its chat template).
+    pub(crate) fn tiny_tokenizer() -> String {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../chat-tokens/tests/fixtures/tiny/tokenizer.json"
+        )
+        .to_string()
+    }
+
     #[test]
     fn kv_events_are_read_checked_and_kept_across_rebuilds() {
         let with = |endpoint: &str, block_size: u32, tokenizer: &str| {
@@ -937,59 +989,63 @@ pub(crate) mod tests {
                     &["http://127.0.0.1:1"],
                 )],
             );
-            let pa = t.endpoints[0].variants[0]
-                .routing_config
-                .as_mut()
-                .unwrap()
-                .prefix_aware_routing_config
-                .as_mut()
-                .unwrap();
-            pa.kv_events = Some(proto::KvEventsConfig {
-                endpoint: endpoint.into(),
-                replay_endpoint: "tcp://{host}:{port+1}".into(),
-                topic: "kv".into(),
-                block_size,
-            });
-            pa.tokenizer = tokenizer.into();
+            with_kv_events(
+                &mut t.endpoints[0].variants[0],
+                proto::KvEventsConfig {
+                    endpoint: endpoint.into(),
+                    replay_endpoint: "tcp://{host}:{port+1}".into(),
+                    topic: "kv".into(),
+                    block_size,
+                },
+                tokenizer,
+            );
             t
         };
-        let first = RoutingTable::try_from(with("tcp://{host}:5557", 32, "/m/t.json")).unwrap();
+        let tiny = tiny_tokenizer();
+        let first = RoutingTable::try_from(with("tcp://{host}:5557", 32, &tiny)).unwrap();
         let kv = |t: &RoutingTable| t.endpoint("e").unwrap().variants()[0].kv_events().cloned();
         let got = kv(&first).unwrap();
         assert_eq!(
-            *got,
-            KvEvents {
+            got.settings,
+            KvSettings {
                 endpoint: "tcp://{host}:5557".into(),
                 replay_endpoint: Some("tcp://{host}:{port+1}".into()),
                 topic: "kv".into(),
                 block_size: 32,
-                tokenizer: "/m/t.json".into(),
+                tokenizer: tiny.clone().into(),
             }
         );
-        // the same settings keep their Arc (subscribers see no change); new ones do not
-        let same = RoutingTable::build(with("tcp://{host}:5557", 32, "/m/t.json"), Some(&first));
+        // the same settings keep their Arc and tokenizer (subscribers see no change); new ones do not
+        let same = RoutingTable::build(with("tcp://{host}:5557", 32, &tiny), Some(&first));
         assert!(Arc::ptr_eq(&got, &kv(&same.unwrap()).unwrap()));
-        let other = RoutingTable::build(with("tcp://{host}:6000", 32, "/m/t.json"), Some(&first));
-        assert_eq!(kv(&other.unwrap()).unwrap().endpoint, "tcp://{host}:6000");
+        let other = RoutingTable::build(with("tcp://{host}:6000", 32, &tiny), Some(&first));
+        assert_eq!(
+            kv(&other.unwrap()).unwrap().settings.endpoint,
+            "tcp://{host}:6000"
+        );
         for (wire, says) in [
             (
-                with("tcp://{hots}:1", 0, "t"),
+                with("tcp://{hots}:1", 0, &tiny),
                 "kv_events.endpoint \"tcp://{hots}:1\": unknown placeholder {hots}",
             ),
             (
-                with("tcp://{host}:1", 9999, "t"),
+                with("tcp://{host}:1", 9999, &tiny),
                 "kv_events.block_size \"9999\": out of range",
             ),
             (
                 with("tcp://{host}:1", 0, ""),
                 "tokenizer \"\": is required with kv_events",
             ),
+            (
+                with("tcp://{host}:1", 0, "/nonexistent/tokenizer.json"),
+                "tokenizer \"/nonexistent/tokenizer.json\": cannot read /nonexistent/tokenizer.json",
+            ),
         ] {
             let e = RoutingTable::try_from(wire).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
         }
         // other strategies have none
-        let mut random = with("tcp://{host}:5557", 32, "/m/t.json");
+        let mut random = with("tcp://{host}:5557", 32, &tiny);
         random.endpoints[0].variants[0]
             .routing_config
             .as_mut()

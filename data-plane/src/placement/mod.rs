@@ -138,11 +138,27 @@ pub struct Placement {
 }
 
 thread_local! {
-    /// One decision's scratch (the prompt's blocks, each instance's match): reused, so a
-    /// decision allocates nothing once they have grown.
-    static SCRATCH: std::cell::RefCell<(Vec<u64>, Vec<u32>)> = const {
-        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    /// One decision's scratch: reused, so a decision allocates nothing once they have grown.
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch {
+            blocks: Vec::new(),
+            depth: Vec::new(),
+            tokens: Vec::new(),
+            keys: Vec::new(),
+            exact: Vec::new(),
+        })
     };
+}
+
+/// See [`SCRATCH`].
+struct Scratch {
+    /// The prompt's block hashes (inferred index) and each instance's match.
+    blocks: Vec<u64>,
+    depth: Vec<u32>,
+    /// The prompt's tokens, their block keys (exact index) and each instance's exact match.
+    tokens: Vec<u32>,
+    keys: Vec<u64>,
+    exact: Vec<Option<u32>>,
 }
 
 impl Placement {
@@ -197,18 +213,32 @@ impl Placement {
         };
         let seed = seed_for(req.prefix_aware_id);
         let key = prompt_key(req.kind, req.body, pa.prefix_length as usize, seed);
-        let (choice, prediction) = SCRATCH
-            .with_borrow_mut(|(blocks, depth)| {
-                let chars = prompt_blocks(req.kind, req.body, seed, MAX_PROMPT_BYTES, blocks);
-                let prompt = Prompt {
-                    key: key.hash,
-                    key_bytes: key.len,
-                    blocks,
-                    bytes: chars as u32,
-                };
-                self.prefix_aware(variant, pa, &prompt, depth, now)
-            })
-            .ok_or_else(no_instance)?;
+        let (choice, prediction) =
+            SCRATCH
+                .with_borrow_mut(|scratch| {
+                    let Scratch {
+                        blocks,
+                        depth,
+                        tokens,
+                        keys,
+                        exact,
+                    } = scratch;
+                    let chars = prompt_blocks(req.kind, req.body, seed, MAX_PROMPT_BYTES, blocks);
+                    let exact_block_bytes = exact_matches(variant, req, tokens, keys, exact)
+                        .map_or(0.0, |tokens_per_block| {
+                            tokens_per_block as f64 * chars as f64 / tokens.len().max(1) as f64
+                        });
+                    let prompt = Prompt {
+                        key: key.hash,
+                        key_bytes: key.len,
+                        blocks,
+                        bytes: chars as u32,
+                        exact,
+                        exact_block_bytes,
+                    };
+                    self.prefix_aware(variant, pa, &prompt, depth, now)
+                })
+                .ok_or_else(no_instance)?;
         Ok(Route {
             endpoint,
             variant,
@@ -272,6 +302,39 @@ impl Placement {
             _ => random(variant, exclude, now_ms).map(|i| (i, Decision::Random)),
         }
     }
+}
+
+/// For a variant whose engines publish KV events: the prompt's tokens as the engines compute
+/// them, and for each instance `Some(leading blocks it holds)` when its index is exact (`None`:
+/// inferred) into `exact`; returns the tokens per block. `None` (and `exact` empty) when the
+/// variant has no events, no block size is known yet, or the body does not tokenize (the
+/// engine will say why; placement goes by the inferred index).
+fn exact_matches(
+    variant: &Variant,
+    req: &RouteRequest<'_>,
+    tokens: &mut Vec<u32>,
+    keys: &mut Vec<u64>,
+    exact: &mut Vec<Option<u32>>,
+) -> Option<u32> {
+    exact.clear();
+    let kv = variant.kv_events()?;
+    let index = variant.load().kv_if_any()?;
+    let block_size = match kv.settings.block_size {
+        0 => index.block_size(),
+        n => n,
+    };
+    if block_size == 0 || req.kind != BodyKind::OpenAi {
+        return None;
+    }
+    let kind = if memchr::memmem::find(req.body, b"\"messages\"").is_some() {
+        chat_tokens::RequestKind::Chat
+    } else {
+        chat_tokens::RequestKind::Completions
+    };
+    kv.tokenizer.tokens(req.body, kind, tokens).ok()?;
+    crate::kv_index::block_keys(tokens, block_size as usize, None, keys);
+    index.matches(variant.id_hashes(), keys, exact);
+    Some(block_size)
 }
 
 #[cfg(test)]

@@ -16,6 +16,11 @@ pub(super) struct Prompt<'a> {
     pub(super) blocks: &'a [u64],
     /// The whole prompt's length.
     pub(super) bytes: u32,
+    /// Per instance, from the engines' KV events: `Some(leading blocks held)` where the index is
+    /// exact, `None` where inferred (empty: no events for this variant).
+    pub(super) exact: &'a [Option<u32>],
+    /// Prompt bytes per exact block.
+    pub(super) exact_block_bytes: f64,
 }
 
 /// One candidate's standing: over the threshold last, then the cost, then the rendezvous score
@@ -54,7 +59,11 @@ impl Placement {
             // One pass: each instance's cost on what the index knows, and the key's rendezvous
             // top (every replica sends a cold key there), which is then taken to hold at least
             // the key: that only lowers the top's cost, so it is weighed after the pass.
-            let known = |i: usize| (depth[i] as f64 * block).min(total);
+            let exact = |i: usize| prompt.exact.get(i).copied().flatten();
+            let known = |i: usize| match exact(i) {
+                Some(d) => (d as f64 * prompt.exact_block_bytes).min(total),
+                None => (depth[i] as f64 * block).min(total),
+            };
             let standing = |i: usize, held: f64, score: u64| {
                 let state = instances[i].state();
                 let (used, capacity) = index.room(i);
@@ -102,7 +111,7 @@ impl Placement {
                 Some((i, s)) => {
                     let decision = if s.over || held(i) < most_held {
                         Decision::OverloadBypass
-                    } else if depth[i] > 0 && depth[i] as f64 * block >= held(i) {
+                    } else if known(i) > 0.0 && known(i) >= held(i) {
                         Decision::PrefixMatch
                     } else {
                         Decision::PrefixHash

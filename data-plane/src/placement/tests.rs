@@ -485,3 +485,96 @@ fn endpoint_and_variant_resolution() {
     .unwrap();
     assert_eq!(p.route(&empty, &req(body)).unwrap_err().status(), 503);
 }
+
+/// A PREFIX_AWARE table whose engines publish KV events (blocks of 4 tokens), tokenized with
+/// chat-tokens' tiny tokenizer.
+fn build_with_events(addresses: &[String], block_size: u32) -> RoutingTable {
+    let a: Vec<&str> = addresses.iter().map(|s| s.as_str()).collect();
+    let mut v = variant("v1", RoutingStrategy::PrefixAware, &a);
+    crate::table::tests::with_kv_events(
+        &mut v,
+        proto::KvEventsConfig {
+            endpoint: "tcp://{host}:5557".into(),
+            block_size,
+            ..Default::default()
+        },
+        &crate::table::tests::tiny_tokenizer(),
+    );
+    RoutingTable::try_from(table(1, "e", vec![v])).unwrap()
+}
+
+/// What an engine publishes after prefilling `body`: its full blocks, under engine hashes of its
+/// own (`first..`).
+fn stored_event(v: &Variant, body: &[u8], block_size: usize, first: u64) -> kv_events::Event {
+    let mut tokens = Vec::new();
+    let kv = v.kv_events().unwrap();
+    kv.tokenizer
+        .tokens(body, chat_tokens::RequestKind::Chat, &mut tokens)
+        .unwrap();
+    let blocks = tokens.len() / block_size;
+    tokens.truncate(blocks * block_size);
+    kv_events::Event::Stored {
+        hashes: (first..).take(blocks).collect(),
+        parent: None,
+        token_ids: tokens,
+        block_size: block_size as u32,
+        lora_name: None,
+        medium: Some("GPU".into()),
+        group_idx: None,
+    }
+}
+
+#[test]
+fn a_prompt_an_engine_reports_holding_goes_there_from_every_replica_until_it_resets() {
+    let addresses = addrs(4);
+    let body = document(7, 1);
+    // two router replicas: each has its own table and index, fed the same events
+    let replicas = [
+        build_with_events(&addresses, 16),
+        build_with_events(&addresses, 16),
+    ];
+    let first = |t: &RoutingTable| {
+        let r = policy().route(t, &req(&body)).unwrap();
+        (r.instance, r.decision)
+    };
+    let rendezvous = first(&replicas[0]).0;
+    assert_eq!(first(&replicas[1]).0, rendezvous, "cold: the key's ranking");
+    let holder = (rendezvous + 1) % 4;
+    for t in &replicas {
+        let v = variant_of(t);
+        let ids = v.id_hashes();
+        // every instance publishes; only `holder` prefilled the prompt (before these routers
+        // started, say)
+        for (i, &id) in ids.iter().enumerate() {
+            let event = if i == holder {
+                stored_event(v, &body, 16, 1000)
+            } else {
+                kv_events::Event::Cleared
+            };
+            v.load().kv().apply(id, &event);
+        }
+    }
+    for t in &replicas {
+        assert_eq!(
+            first(t),
+            (holder, Decision::PrefixMatch),
+            "the engine that holds it, not the ranking"
+        );
+    }
+    // the engine restarted and cleared its cache: the exact index forgets it at once (what the
+    // inferred index remembers of the placements above counts only for inferred instances)
+    for t in &replicas {
+        let v = variant_of(t);
+        v.load()
+            .kv()
+            .apply(v.id_hashes()[holder], &kv_events::Event::Cleared);
+        assert_eq!(first(t).0, rendezvous);
+    }
+    // an instance whose stream reset (a gap the replay could not fill) is inferred again: the
+    // inferred index's memory of the placements on `holder` counts for it once more
+    for t in &replicas {
+        let v = variant_of(t);
+        v.load().kv().reset(v.id_hashes()[holder]);
+        assert_eq!(first(t).0, holder);
+    }
+}
