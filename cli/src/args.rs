@@ -322,7 +322,8 @@ pub struct UpArgs {
                         cache (NOW: over the last interval; TOTAL: since the routers started); per placement \
                         rule (decision), prompt tokens and HIT; and for PREFIX_AWARE, the blocks (of 256 \
                         prompt characters) each router's prefix index lists on the instance against the \
-                        capacity it learnt from the engine's reports (the mean over the routers). Counters \
+                        capacity it learnt from the engine's reports (the mean over the routers), and whether \
+                        that index is exact (fed by the engine's KV events) or inferred. Counters \
                         are summed over the routers. A router that does not answer is \
                         named in one line; --once fails only when none answers."
 )]

@@ -6,12 +6,14 @@
 //! interval and over the routers' lifetime); per placement rule (the `decision` label), prompt
 //! tokens and cached share, so one sees which rule's placements hit; and, for PREFIX_AWARE, what
 //! each router's prefix index holds of each instance against its learnt capacity (in blocks of
-//! 256 prompt characters, the mean over the routers that report it).
+//! 256 prompt characters, the mean over the routers that report it), and whether that index is
+//! exact (fed by the engine's KV events) or inferred from the responses.
 //!
 //! The metrics (names and labels as the data plane exports them, see `data-plane/src/metrics.rs`):
 //! `prefix_router_requests_total`, `prefix_router_instance_in_flight`,
 //! `prefix_router_prompt_tokens_total`, `prefix_router_cached_prompt_tokens_total`,
-//! `prefix_router_prefix_index_blocks`, `prefix_router_prefix_index_capacity_blocks`.
+//! `prefix_router_prefix_index_blocks`, `prefix_router_prefix_index_capacity_blocks`,
+//! `prefix_router_kv_index_blocks` (present where a router's index of an instance is exact).
 //!
 //! Each router's scrape is kept apart: interval rates come from each router's own deltas over
 //! its own elapsed time (a router whose counters went down restarted: its delta counts from
@@ -35,6 +37,7 @@ const PROMPT_TOKENS: &str = "prefix_router_prompt_tokens_total";
 const CACHED_TOKENS: &str = "prefix_router_cached_prompt_tokens_total";
 const INDEX_BLOCKS: &str = "prefix_router_prefix_index_blocks";
 const INDEX_CAPACITY: &str = "prefix_router_prefix_index_capacity_blocks";
+const KV_BLOCKS: &str = "prefix_router_kv_index_blocks";
 
 /// Placement rules (the `decision` label of the token counters) in the data plane's order;
 /// others follow, sorted by name.
@@ -66,6 +69,10 @@ enum Kind {
     IndexCapacity { instance: String },
     /// Routers that report an index of `instance` (1 per router; summed, how many there are).
     IndexReported { instance: String },
+    /// KV blocks the engine reported holding, on routers whose index of it is exact (a gauge).
+    KvBlocks { instance: String },
+    /// Routers whose index of `instance` is exact (fed by its KV events).
+    KvReported { instance: String },
 }
 
 impl Kind {
@@ -141,20 +148,33 @@ impl Counters {
                     },
                     sample.value,
                 ),
+                KV_BLOCKS => (
+                    Kind::KvBlocks {
+                        instance: instance(),
+                    },
+                    sample.value,
+                ),
                 _ => continue,
             };
             let endpoint = label("endpoint");
             if endpoint.is_empty() || !value.is_finite() {
                 continue;
             }
-            if let Kind::IndexBlocks { instance } = &kind {
+            let reported = match &kind {
+                Kind::IndexBlocks { instance } => Some(Kind::IndexReported {
+                    instance: instance.clone(),
+                }),
+                Kind::KvBlocks { instance } => Some(Kind::KvReported {
+                    instance: instance.clone(),
+                }),
+                _ => None,
+            };
+            if let Some(kind) = reported {
                 counters.add_value(
                     Series {
                         endpoint: endpoint.clone(),
                         variant: label("variant"),
-                        kind: Kind::IndexReported {
-                            instance: instance.clone(),
-                        },
+                        kind,
                     },
                     1.0,
                 );
@@ -284,6 +304,22 @@ pub struct IndexView {
     pub capacity_blocks: f64,
     /// Routers reporting an index of the instance.
     pub routers: u64,
+    /// Of them, the routers whose index of it is exact (fed by the engine's KV events).
+    pub exact_routers: u64,
+    /// KV blocks the engine reported holding (the mean over the exact routers), when any is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_blocks: Option<f64>,
+}
+
+impl IndexView {
+    /// `exact`, `inferred`, or `exact on K of N routers`.
+    fn source(&self) -> String {
+        match self.exact_routers {
+            0 => "inferred".into(),
+            k if k >= self.routers => "exact".into(),
+            k => format!("exact on {k} of {}", self.routers),
+        }
+    }
 }
 
 /// One placement rule over the last interval.
@@ -349,7 +385,9 @@ impl TopReport {
                 | Kind::InFlight { instance }
                 | Kind::IndexBlocks { instance }
                 | Kind::IndexCapacity { instance }
-                | Kind::IndexReported { instance } => (&mut names.0, instance),
+                | Kind::IndexReported { instance }
+                | Kind::KvBlocks { instance }
+                | Kind::KvReported { instance } => (&mut names.0, instance),
                 Kind::PromptTokens { instance, decision }
                 | Kind::CachedTokens { instance, decision } => {
                     if !names.0.contains(instance) {
@@ -398,7 +436,17 @@ impl TopReport {
                             instance: instance.clone(),
                         })));
                         let mean = |kind: Kind| total.get(&at(kind)) / routers as f64;
+                        let exact_routers = count(total.get(&at(Kind::KvReported {
+                            instance: instance.clone(),
+                        })));
+                        let kv_blocks = (exact_routers > 0).then(|| {
+                            total.get(&at(Kind::KvBlocks {
+                                instance: instance.clone(),
+                            })) / exact_routers as f64
+                        });
                         let index = (routers > 0).then(|| IndexView {
+                            exact_routers,
+                            kv_blocks,
                             blocks: mean(Kind::IndexBlocks {
                                 instance: instance.clone(),
                             }),
@@ -511,6 +559,7 @@ impl Report for TopReport {
             let indexed = v.instances.iter().any(|i| i.index.is_some());
             if indexed {
                 head.push("INDEX BLOCKS/CAPACITY");
+                head.push("INDEX");
             }
             let mut t = Table::new(&head).indent(2);
             for i in &v.instances {
@@ -542,6 +591,7 @@ impl Report for TopReport {
                         || "-".into(),
                         |x| format!("{:.0}/{:.0}", x.blocks, x.capacity_blocks),
                     ));
+                    row.push(i.index.map_or_else(|| "-".into(), |x| x.source()));
                 }
                 t.row(row);
             }
@@ -850,6 +900,8 @@ prefix_router_prefix_index_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http:
 # TYPE prefix_router_prefix_index_capacity_blocks gauge
 prefix_router_prefix_index_capacity_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 128
 prefix_router_prefix_index_capacity_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\"} 100
+# TYPE prefix_router_kv_index_blocks gauge
+prefix_router_kv_index_blocks{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 40
 # TYPE prefix_router_instance_in_flight gauge
 prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http://i1\"} 3
 prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http://i2\"} 0
@@ -907,11 +959,14 @@ prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http:/
             Some(IndexView {
                 blocks: 64.0,
                 capacity_blocks: 128.0,
-                routers: 1
+                routers: 1,
+                exact_routers: 1,
+                kv_blocks: Some(40.0),
             })
         );
+        assert_eq!(v.instances[1].index.unwrap().source(), "inferred");
         let table = report.table();
-        assert!(table.contains("INDEX BLOCKS/CAPACITY"), "{table}");
+        assert!(table.contains("INDEX BLOCKS/CAPACITY  INDEX"), "{table}");
         // The first live refresh has no rates yet, and the live columns.
         let first = TopReport {
             live: true,
@@ -957,6 +1012,9 @@ prefix_router_instance_in_flight{endpoint=\"e\",variant=\"v1\",instance=\"http:/
             (48.0, 112.0, 2)
         );
         assert_eq!(index(1).routers, 1);
+        // only router A's index of i1 is fed by the engine's KV events
+        assert_eq!(index(0).source(), "exact on 1 of 2");
+        assert_eq!(index(0).kv_blocks, Some(40.0));
         let json = serde_json::to_value(&report).unwrap();
         assert_eq!(
             json["Variants"][0]["Instances"][0]["CachedPromptTokens"],
