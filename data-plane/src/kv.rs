@@ -12,9 +12,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kv_events::{Subscriber, SubscriberConfig};
+use kv_events::{Sink, Subscriber, SubscriberConfig};
 
 use crate::kv_index::KvIndex;
+use crate::load::VariantLoad;
 use crate::proxy::Router;
 use crate::table::{KvEvents, RoutingTable};
 
@@ -56,7 +57,7 @@ impl Subscribers {
                         if let Some(old) = self.running.remove(&key) {
                             old.stop().await;
                         }
-                        if let Some(r) = start(settings, inst.address(), index, inst.id_hash()) {
+                        if let Some(r) = start(settings, inst.address(), v.load(), inst.id_hash()) {
                             self.running.insert(key.clone(), r);
                         }
                     }
@@ -85,12 +86,33 @@ impl Running {
     }
 }
 
+/// What a subscriber feeds: the variant's exact index of one instance; a reset (an engine
+/// restart, a gap no replay filled) also makes the inferred index forget the instance, whose
+/// cache is then unknown either way.
+struct InstanceSink {
+    load: Arc<VariantLoad>,
+    id: u64,
+}
+
+impl Sink for InstanceSink {
+    fn apply(&self, _instance: &str, event: &kv_events::Event) {
+        self.load.kv().apply(self.id, event);
+    }
+    fn reset(&self, _instance: &str) {
+        self.load.kv().reset(self.id);
+        if let Some(inferred) = self.load.index_if_any() {
+            inferred.forget(self.id);
+        }
+    }
+}
+
 fn start(
     settings: &Arc<KvEvents>,
     address: &str,
-    index: &Arc<KvIndex>,
+    load: &Arc<VariantLoad>,
     id_hash: u64,
 ) -> Option<Running> {
+    let index = load.kv();
     let s = &settings.settings;
     let config = SubscriberConfig::for_instance(
         address,
@@ -107,7 +129,11 @@ fn start(
         }
     };
     config.warm_start = config.replay_endpoint.is_some();
-    let sink = Arc::new(index.sink(id_hash));
+    index.attach_slot(id_hash);
+    let sink = Arc::new(InstanceSink {
+        load: load.clone(),
+        id: id_hash,
+    });
     match Subscriber::spawn(address, config, sink) {
         Ok(subscriber) => {
             index.attach(id_hash, subscriber.counters().clone());

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use kv_events::{Counters, Event, Sink};
+use kv_events::{Counters, Event};
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -113,29 +113,10 @@ pub struct KvIndex {
     refused: Refused,
 }
 
-/// The per-instance sink a subscriber feeds.
-pub struct InstanceSink {
-    index: Arc<KvIndex>,
-    id: u64,
-}
-
-impl Sink for InstanceSink {
-    fn apply(&self, _instance: &str, event: &Event) {
-        self.index.apply(self.id, event);
-    }
-    fn reset(&self, _instance: &str) {
-        self.index.reset(self.id);
-    }
-}
-
 impl KvIndex {
-    /// A sink for the instance whose table id hash is `id`.
-    pub fn sink(self: &Arc<Self>, id: u64) -> InstanceSink {
+    /// Makes room for instance `id` (before its subscriber starts).
+    pub fn attach_slot(&self, id: u64) {
         self.lock().slot(id);
-        InstanceSink {
-            index: Arc::clone(self),
-            id,
-        }
     }
 
     /// The counters of instance `id`'s subscriber, for metrics.

@@ -256,6 +256,20 @@ impl PrefixIndex {
         }
     }
 
+    /// Forgets what instance `id` was believed to hold (its engine restarted, or its event
+    /// stream lost track): its capacity estimate stays.
+    pub fn forget(&self, id: u64) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(s) = inner.slots.iter().position(|slot| slot.id == id) else {
+            return;
+        };
+        let capacity = inner.slots[s].capacity;
+        inner.slots[s].capacity = 0.0;
+        inner.evict(s);
+        inner.slots[s].queue.clear();
+        inner.slots[s].capacity = capacity;
+    }
+
     /// Blocks held, over all instances.
     pub fn len(&self) -> usize {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());

@@ -6,9 +6,10 @@
 //! is told to [`Sink::reset`] the instance (forget everything it holds for it) and the stream
 //! goes on from there. The task tracks the publisher's sequence numbers to decide:
 //!
-//! - the first message sets the sequence (or, with [`SubscriberConfig::warm_start`], first
-//!   replays the publisher's buffer from 0, so a router that starts after the engine still learns
-//!   the blocks stored before it);
+//! - the first message sets the sequence; with [`SubscriberConfig::warm_start`], the task first
+//!   replays the publisher's whole buffer as soon as it connects (and, if that replay failed,
+//!   from 0 up to the first live message), so a router that starts after the engine learns the
+//!   blocks stored before it without waiting for the engine's next event;
 //! - a gap (a seq past the next expected one) is filled from the publisher's replay socket
 //!   (below); what the replay cannot cover (its buffer no longer holds the missing batches, there
 //!   is no replay endpoint, or it does not answer within [`SubscriberConfig::replay_timeout`])
@@ -289,6 +290,7 @@ async fn run(
         counters: &counters,
         expected: None,
         published: false,
+        replayed_below: None,
     };
     tokio::select! {
         // Resolves on a send or on the sender's drop: either means stop.
@@ -308,6 +310,9 @@ struct Stream<'a> {
     expected: Option<u64>,
     /// Whether a message arrived since the last reset (arms the silence reset).
     published: bool,
+    /// After a warm start's replay: live messages below this seq were replayed already (the
+    /// live stream delivers what was published during the replay too).
+    replayed_below: Option<u64>,
 }
 
 /// Progress of one replay, kept outside the replay's future so that a timeout still sees it.
@@ -334,6 +339,9 @@ impl Stream<'_> {
             tokio::time::sleep(RETRY_PAUSE).await;
         }
         tracing::debug!(instance = self.instance, endpoint = %self.config.endpoint, "KV events: connected");
+        if self.config.warm_start {
+            self.warm().await;
+        }
         let mut last_rx = Instant::now();
         loop {
             let silence_deadline = match self.config.silence {
@@ -361,6 +369,36 @@ impl Stream<'_> {
                     self.reset("the publisher fell silent");
                 }
             }
+        }
+    }
+
+    /// A warm start: replays the publisher's whole buffer at once, so the blocks an engine
+    /// stored before this subscriber started are known before its next event (an idle engine
+    /// publishes none). What the buffer no longer holds stays unknown; a replay that fails
+    /// leaves it to the first live message (see [`Stream::on_live`]).
+    async fn warm(&mut self) {
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            return;
+        };
+        // `reset: true`: a buffer that no longer reaches back to 0 is no reason to reset
+        let mut fill = Fill {
+            next: 0,
+            reset: true,
+        };
+        let outcome = tokio::time::timeout(
+            self.config.replay_timeout,
+            self.replay(&endpoint, &mut fill, u64::MAX),
+        )
+        .await;
+        if !matches!(outcome, Ok(Ok(()))) {
+            tracing::debug!(
+                instance = self.instance,
+                "KV events: the warm start's replay did not complete"
+            );
+        }
+        if self.expected.is_some() {
+            self.published = true;
+            self.replayed_below = self.expected;
         }
     }
 
@@ -420,6 +458,12 @@ impl Stream<'_> {
             Ok(seq) => seq,
             Err(e) => return self.decode_error("live message", &e),
         };
+        if let Some(below) = self.replayed_below {
+            if seq < below && self.expected == Some(below) {
+                return; // replayed by the warm start already
+            }
+            self.replayed_below = None;
+        }
         let batch = decode_batch(payload, &self.config.limits);
         match self.expected {
             None if self.config.warm_start && seq > 0 => {

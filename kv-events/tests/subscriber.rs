@@ -327,7 +327,7 @@ async fn a_gap_without_replay_endpoint_or_answer_resets() {
 }
 
 #[tokio::test]
-async fn warm_start_replays_from_zero_before_the_first_message() {
+async fn warm_start_replays_the_buffer_on_connect_before_any_live_message() {
     let replay = replay_server(
         vec![(0, STORED), (1, SIGNED), (2, REMOVED)],
         ReplayFrames::TopicSeqPayload,
@@ -338,13 +338,18 @@ async fn warm_start_replays_from_zero_before_the_first_message() {
         c.warm_start = true;
     })
     .await;
+    // an idle engine publishes nothing: the buffer alone tells what it stored
+    let replayed = concat(&[applied(STORED), applied(SIGNED), applied(REMOVED)]);
+    assert_eq!(h.seen(replayed.len()).await, replayed);
+    // seq 2 was published while the replay ran: not applied twice; seq 3 follows
     h.publisher.send(2, REMOVED).await;
-    let expected = concat(&[applied(STORED), applied(SIGNED), applied(REMOVED)]);
+    h.publisher.send(3, STORED).await;
+    let expected = concat(&[replayed, applied(STORED)]);
     assert_eq!(h.seen(expected.len()).await, expected);
     let c = h.counters();
     assert_eq!(
-        (c.gaps, c.replays_served, c.replayed_batches, c.resets),
-        (0, 1, 2, 0)
+        (c.gaps, c.replayed_batches, c.batches, c.resets),
+        (0, 3, 4, 0)
     );
 }
 

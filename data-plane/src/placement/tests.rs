@@ -571,10 +571,14 @@ fn a_prompt_an_engine_reports_holding_goes_there_from_every_replica_until_it_res
         assert_eq!(first(t).0, rendezvous);
     }
     // an instance whose stream reset (a gap the replay could not fill) is inferred again: the
-    // inferred index's memory of the placements on `holder` counts for it once more
+    // inferred index's memory of the placements on `holder` counts for it once more, unless
+    // forgotten too (as the subscribers' sink does on a reset)
     for t in &replicas {
         let v = variant_of(t);
-        v.load().kv().reset(v.id_hashes()[holder]);
+        let id = v.id_hashes()[holder];
+        v.load().kv().reset(id);
         assert_eq!(first(t).0, holder);
+        v.load().index().forget(id);
+        assert_eq!(first(t).0, rendezvous);
     }
 }

@@ -1,0 +1,243 @@
+//! PREFIX_AWARE on the engines' own KV events (issue 56), end to end on loopback: a control
+//! plane, three engine-sims that tokenize with a model's tokenizer and publish vLLM's event format
+//! from their caches, and two data planes that subscribe to them. A prompt one engine was sent
+//! directly (so only its cache holds it) goes to that engine from both routers, although the
+//! key's rendezvous ranking puts another first; after that engine restarts (its cache empty,
+//! its event stream begun again) neither router sends the prompt there on the old belief.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use integration_tests::{variant, InProcessControlPlane};
+use proto::{KvEventsConfig, RoutingStrategy};
+use test_support::{bind_loopback, wait_for, InProcessServer};
+use tokio::net::TcpListener;
+
+const ENDPOINT: &str = "chat";
+/// The engines' event ports, from their HTTP ports.
+const PUB_OFFSET: u16 = 1000;
+
+fn tokenizer() -> String {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../chat-tokens/tests/fixtures/tiny/tokenizer.json"
+    )
+    .to_string()
+}
+
+/// An engine-sim on `listener` publishing its cache's events at its port + 1000 (replay + 1001).
+fn engine(listener: TcpListener) -> InProcessServer {
+    let port = listener.local_addr().unwrap().port();
+    let config = engine_sim::Config {
+        time_scale: 0.01,
+        block_size: 16,
+        tokenizer: Some(tokenizer().into()),
+        kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", port + PUB_OFFSET)),
+        kv_events_replay_endpoint: Some(format!("tcp://127.0.0.1:{}", port + PUB_OFFSET + 1)),
+        ..engine_sim::Config::default()
+    };
+    InProcessServer::start_on(listener, |l, stop| engine_sim::serve(l, config, stop))
+}
+
+/// A listener on a loopback port whose event ports are free too.
+async fn engine_listener() -> TcpListener {
+    loop {
+        let l = bind_loopback().await;
+        let port = l.local_addr().unwrap().port();
+        if port < 60000
+            && std::net::TcpListener::bind(("127.0.0.1", port + PUB_OFFSET)).is_ok()
+            && std::net::TcpListener::bind(("127.0.0.1", port + PUB_OFFSET + 1)).is_ok()
+        {
+            return l;
+        }
+    }
+}
+
+fn chat(document: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "model": ENDPOINT,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "system", "content": "You answer from the document."},
+            {"role": "user", "content": document},
+        ],
+    }))
+    .unwrap()
+}
+
+/// POSTs a chat to `base`; the instance the router chose (its response header), or "" direct.
+async fn post(base: &str, body: &[u8]) -> String {
+    let http: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let req = http::Request::post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::copy_from_slice(body)))
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    let status = resp.status();
+    let instance = resp
+        .headers()
+        .get("x-prefix-router-instance")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    instance
+}
+
+async fn get(url: &str) -> String {
+    let http: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let resp = http.get(url.parse().unwrap()).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// The value of `name{instance=...}` in a router's `/metrics`.
+async fn metric(router: &str, name: &str, instance: &str) -> Option<f64> {
+    let metrics = get(&format!("{router}/metrics")).await;
+    let line = metrics.lines().find(|l| {
+        l.starts_with(&format!("{name}{{")) && l.contains(&format!("instance=\"{instance}\""))
+    })?;
+    line.rsplit(' ').next()?.parse().ok()
+}
+
+/// The first instance of the key's rendezvous ranking, as every router computes it.
+fn rendezvous_first(instances: &[String], body: &[u8]) -> usize {
+    let hashes: Vec<u64> = instances
+        .iter()
+        .map(|i| xxhash_rust::xxh3::xxh3_64(i.as_bytes()))
+        .collect();
+    let key = data_plane::prompt::prompt_key(
+        data_plane::prompt::BodyKind::OpenAi,
+        body,
+        2048,
+        data_plane::prompt::DEFAULT_SEED,
+    );
+    data_plane::placement::rendezvous_top(&hashes, key.hash).0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_routers_send_a_prompt_to_the_engine_that_reports_it_until_that_engine_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let control_plane = InProcessControlPlane::start(dir.path()).await;
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        engines.push(engine(engine_listener().await));
+    }
+    let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
+
+    // a document whose key ranks some engine first, and another engine to hold it
+    let document = |n: u32| format!("Document {n}: {}", "the quick brown fox jumps. ".repeat(60));
+    let body = chat(&document(1));
+    let first = rendezvous_first(&urls, &body);
+    let holder = (first + 1) % 3;
+
+    let client = proto::client::Client::connect(control_plane.url.clone())
+        .await
+        .unwrap();
+    let mut v = variant(
+        "v1",
+        RoutingStrategy::PrefixAware,
+        &[&urls[0], &urls[1], &urls[2]],
+    );
+    let pa = v
+        .routing_config
+        .as_mut()
+        .unwrap()
+        .prefix_aware_routing_config
+        .as_mut()
+        .unwrap();
+    pa.kv_events = Some(KvEventsConfig {
+        endpoint: format!("tcp://{{host}}:{{port+{PUB_OFFSET}}}"),
+        replay_endpoint: format!("tcp://{{host}}:{{port+{}}}", PUB_OFFSET + 1),
+        topic: "kv".into(),
+        block_size: 16,
+    });
+    pa.tokenizer = tokenizer();
+    client
+        .create_endpoint_config(ENDPOINT, vec![v])
+        .await
+        .unwrap();
+    client.create_endpoint(ENDPOINT, ENDPOINT).await.unwrap();
+
+    // only the holder's cache has the document (sent to it directly, before the routers start)
+    post(&urls[holder], &body).await;
+
+    let mut routers = Vec::new();
+    for node in ["dp-a", "dp-b"] {
+        let config = data_plane::Config {
+            control_plane: control_plane.url.clone(),
+            node_id: Some(node.into()),
+            default_endpoint: Some(ENDPOINT.into()),
+            ..data_plane::Config::default()
+        };
+        let server = InProcessServer::start(|l, stop| data_plane::serve(l, config, stop)).await;
+        routers.push(server);
+    }
+    let router_urls: Vec<String> = routers.iter().map(|r| r.url()).collect();
+    // each router learns the holder's blocks: replayed from its buffer, or from the events after
+    let holder_url = urls[holder].clone();
+    for r in &router_urls {
+        wait_for(
+            "the router's index of the holder to be exact and hold the document",
+            Duration::from_secs(20),
+            || async {
+                metric(r, "prefix_router_kv_index_blocks", &holder_url)
+                    .await
+                    .filter(|&blocks| blocks > 0.0)
+            },
+        )
+        .await;
+    }
+    for r in &router_urls {
+        assert_eq!(
+            post(r, &body).await,
+            urls[holder],
+            "router {r}: the engine that holds the document, not the ranking's first ({})",
+            urls[first]
+        );
+    }
+
+    // the holder restarts on the same ports with an empty cache
+    let mut resets = Vec::new();
+    for r in &router_urls {
+        resets.push(
+            metric(r, "prefix_router_kv_event_resets_total", &holder_url)
+                .await
+                .unwrap_or(0.0),
+        );
+    }
+    let old = engines.remove(holder);
+    let port = old.addr.port();
+    old.stop().await.unwrap();
+    let listener = loop {
+        match TcpListener::bind(("127.0.0.1", port)).await {
+            Ok(l) => break l,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    engines.push(engine(listener));
+    // each router resets its index of it (the stream dropped and began again), and the document
+    // goes where its key ranks first, not to the restarted engine on the old belief
+    for (r, before) in router_urls.iter().zip(resets) {
+        wait_for(
+            "the router to reset its index of the restarted engine",
+            Duration::from_secs(20),
+            || async {
+                metric(r, "prefix_router_kv_event_resets_total", &holder_url)
+                    .await
+                    .filter(|&n| n > before)
+            },
+        )
+        .await;
+        assert_eq!(post(r, &body).await, urls[first], "router {r}");
+    }
+    for r in routers {
+        r.stop().await.unwrap();
+    }
+    for e in engines {
+        e.stop().await.unwrap();
+    }
+}
