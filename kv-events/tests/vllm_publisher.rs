@@ -4,9 +4,8 @@
 //! batches on its live socket on purpose; the subscriber must fill them from vLLM's replay ROUTER
 //! and hand the sink the exact stream, whenever it happens to join.
 //!
-//! Ignored by default: it needs python3 with `msgspec` and `pyzmq`, which the project's test
-//! machines do not install yet. Run it with `cargo test -p kv-events --test vllm_publisher --
-//! --ignored`.
+//! It needs python3 with `msgspec` and `pyzmq` (the test command installs them: see
+//! scripts/install-test-deps.sh); without them it skips, and fails under `CI=true`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -120,13 +119,11 @@ async fn against_vllm(release: &str) {
 }
 
 #[tokio::test]
-#[ignore = "needs python3 with msgspec and pyzmq"]
 async fn vllm_v0_23_0_publisher() {
     against_vllm("v0_23_0").await;
 }
 
 #[tokio::test]
-#[ignore = "needs python3 with msgspec and pyzmq"]
 async fn vllm_v0_34_0_publisher() {
     against_vllm("v0_34_0").await;
 }
