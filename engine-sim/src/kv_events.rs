@@ -12,7 +12,8 @@
 //!   seq >= start_seq as `[identity, "", topic, seq, payload]`, then `[identity, "", "", -1, ""]`.
 //!
 //! The engine never waits on this: batches go through a bounded channel to the publisher task,
-//! and a batch that does not fit is dropped and counted (`engine_sim_kv_events_dropped_total`).
+//! and a batch that does not fit is dropped and counted (`engine_sim_kv_events_dropped_total`); its
+//! seq is skipped, so subscribers see a gap that no replay fills.
 //! Seqs are assigned by the task, so a subscriber cannot see the loss (as with vLLM's own queue
 //! overflow); the counter can.
 
@@ -45,6 +46,8 @@ pub(crate) enum CacheEvent {
 pub(crate) struct KvEventCounters {
     pub(crate) published_batches: AtomicU64,
     pub(crate) dropped_batches: AtomicU64,
+    /// Dropped batches whose seq the publisher has not skipped yet.
+    unsequenced_drops: AtomicU64,
 }
 
 /// The engine's end: hands batches to the publisher task without waiting.
@@ -72,6 +75,7 @@ impl Outbox {
         }
         if self.tx.try_send(batch).is_err() {
             self.counters.dropped_batches.fetch_add(1, Relaxed);
+            self.counters.unsequenced_drops.fetch_add(1, Relaxed);
         }
     }
 
@@ -134,6 +138,9 @@ async fn run(
         tokio::select! {
             batch = rx.recv() => {
                 let Some(batch) = batch else { return };
+                // a dropped batch keeps its seq, so subscribers see the gap (and, as the replay
+                // buffer never held it, reset)
+                seq += counters.unsequenced_drops.swap(0, Relaxed);
                 let payload = Bytes::from(encode_batch(&batch, config.block_size, unix_now()));
                 let frames = vec![
                     topic.clone(),
