@@ -215,6 +215,43 @@ fn a_whole_message_decodes_with_its_seq() {
     assert_eq!(message.batch.events, vec![Event::Cleared]);
 }
 
+#[test]
+fn a_whole_engine_step_decodes_with_its_chain() {
+    // v0_34_0_step_256_blocks (the throughput bench's batch): 8 chained BlockStored of 32 blocks
+    // of 16 tokens, then a BlockRemoved of all 256
+    let path = format!(
+        "{}/tests/fixtures/v0_34_0_step_256_blocks.bin",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let batch = decode_batch(&std::fs::read(path).unwrap(), &DecodeLimits::default()).unwrap();
+    assert_eq!(batch.events.len(), 9);
+    let hash = |i: u64| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i + 1);
+    for (e, event) in batch.events[..8].iter().enumerate() {
+        let Event::Stored {
+            hashes,
+            parent,
+            token_ids,
+            block_size,
+            ..
+        } = event
+        else {
+            panic!("event {e}: {event:?}")
+        };
+        let e = e as u64;
+        assert_eq!(
+            *hashes,
+            (e * 32..(e + 1) * 32).map(hash).collect::<Vec<_>>()
+        );
+        assert_eq!(*parent, (e > 0).then(|| hash(e * 32 - 1)));
+        assert_eq!((token_ids.len(), *block_size), (512, 16));
+        assert_eq!(token_ids[1], (7 + e as u32) % 128_000);
+    }
+    let Event::Removed { hashes, .. } = &batch.events[8] else {
+        panic!("{:?}", batch.events[8])
+    };
+    assert_eq!(*hashes, (0..256).map(hash).collect::<Vec<_>>());
+}
+
 fn every_fixture() -> Vec<(String, Vec<u8>)> {
     let dir = format!("{}/tests/fixtures", env!("CARGO_MANIFEST_DIR"));
     let mut out: Vec<_> = std::fs::read_dir(&dir)
@@ -228,7 +265,7 @@ fn every_fixture() -> Vec<(String, Vec<u8>)> {
         })
         .collect();
     out.sort();
-    assert_eq!(out.len(), 20, "the fixtures make_fixtures.py writes");
+    assert_eq!(out.len(), 21, "the fixtures make_fixtures.py writes");
     out
 }
 
