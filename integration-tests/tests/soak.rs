@@ -762,3 +762,141 @@ async fn soak_long() {
         .await
         .expect("the soak finishes within an hour");
 }
+
+/// Issue 57's memory soak: one router (PREFIX_AWARE, its prefix index filling and evicting) at a
+/// steady load for `SOAK_MINUTES` (default 30) minutes, its RSS sampled every second and its
+/// slope reported over everything after the first 5 minutes. Half the prompts come from 64 hot
+/// documents, half are new (1-4 KiB each), so the index keeps taking blocks past its bound and
+/// evicting. Every request must succeed; the slope is printed (a memory figure, not asserted).
+///
+/// `SOAK_MINUTES=30 cargo test --release -p integration-tests --test soak steady -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 30 minutes by default (SOAK_MINUTES); run with -- --ignored"]
+async fn steady_one_router_memory() {
+    let minutes: f64 = std::env::var("SOAK_MINUTES")
+        .ok()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(30.0);
+    let fleet = Fleet::start(Spec {
+        engines: 7,
+        routers: 1,
+        strategy: RoutingStrategy::PrefixAware,
+        engine_args: vec!["--time-scale", "0.02"],
+        router_args: fleet::args(&["--workers", "1"]),
+    })
+    .await;
+    converge(&fleet).await;
+    let started = Instant::now();
+    let pids = Arc::new(Mutex::new(vec![(
+        "data-plane".to_string(),
+        fleet.routers[0].child.id(),
+    )]));
+    let (samples, sampler) = sample_every_second(pids, started);
+    let router = fleet.router_url(0);
+    let deadline = started + Duration::from_secs_f64(minutes * 60.0);
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, router, sent, failed) = (
+                fleet.http.clone(),
+                router.clone(),
+                Arc::clone(&sent),
+                Arc::clone(&failed),
+            );
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let doc = if n % 2 == 0 {
+                        n / 2 % 64
+                    } else {
+                        1_000_000 + n
+                    };
+                    let words = 64 + (doc * 7919 % 192) as usize; // 1-4 KiB
+                    let text: String = (0..words)
+                        .map(|w| format!("d{doc}w{w} "))
+                        .collect::<String>();
+                    let body = serde_json::json!({
+                        "model": ENDPOINT,
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": format!("{text} Question {n}?")}],
+                    });
+                    let request = http::Request::post(format!("{router}/v1/chat/completions"))
+                        .header("content-type", "application/json")
+                        .body(http_body_util::Full::new(bytes::Bytes::from(
+                            serde_json::to_vec(&body).unwrap(),
+                        )))
+                        .unwrap();
+                    let outcome = match http.request(request).await {
+                        Ok(resp) => {
+                            let status = resp.status();
+                            let drained = http_body_util::BodyExt::collect(resp.into_body()).await;
+                            (status == 200 && drained.is_ok())
+                                .then_some(())
+                                .ok_or(format!("status {status}"))
+                        }
+                        Err(e) => Err(format!("{e}")),
+                    };
+                    if let Err(e) = outcome {
+                        failed.lock().unwrap().push(e);
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await.unwrap();
+    }
+    sampler.abort();
+    let elapsed = started.elapsed();
+    let requests = sent.load(std::sync::atomic::Ordering::Relaxed);
+    let metrics = http_get_text(&fleet.http, &format!("{router}/metrics")).await;
+    let index_blocks: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("prefix_router_prefix_index_blocks{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let s = samples
+        .lock()
+        .unwrap()
+        .values()
+        .next()
+        .cloned()
+        .unwrap_or_default();
+    // the slope after 5 minutes of warm-up (or after the first quarter of a shorter run)
+    let warm = (5.0 * 60.0f64).min(elapsed.as_secs_f64() / 4.0);
+    let after = Samples(s.0.iter().copied().filter(|p| p.0 >= warm).collect());
+    let rss_slope = {
+        // slopes() skips a quarter again; fit all of `after` here
+        let n = after.0.len() as f64;
+        let mx = after.0.iter().map(|p| p.0).sum::<f64>() / n;
+        let my = after.0.iter().map(|p| p.1).sum::<f64>() / n;
+        let cov: f64 = after.0.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        let var: f64 = after.0.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        cov / var * 60.0
+    };
+    let at = |t: f64| s.0.iter().find(|p| p.0 >= t).map_or(0.0, |p| p.1 / 1024.0);
+    println!(
+        "STEADY {requests} requests in {elapsed:.0?} ({:.0} rps), 1 router, 7 engines; data-plane RSS {:.1} MiB at {:.0} s, {:.1} MiB at the end; slope after {:.0} s: {rss_slope:+.1} KiB/min; prefix index {index_blocks} blocks",
+        requests as f64 / elapsed.as_secs_f64(),
+        at(warm),
+        warm,
+        s.0.last().map_or(0.0, |p| p.1 / 1024.0),
+        warm,
+    );
+    let failed = failed.lock().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+}
+
+async fn http_get_text(http: &fleet::Http, url: &str) -> String {
+    let resp = http.get(url.parse().unwrap()).await.unwrap();
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap();
+    String::from_utf8_lossy(&body.to_bytes()).into_owned()
+}
