@@ -119,6 +119,87 @@ fn bench_writes_the_contract_json_and_prefix_aware_beats_random_on_hits() {
 }
 
 #[test]
+fn tenants_with_a_precise_run_whose_routers_index_every_engines_kv_events() {
+    // The smallest tenants run: approximate on one router, precise on two. Every engine-sim
+    // tokenizes with the bench's tiny tokenizer; the precise routers subscribe to every engine.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tenants.json");
+    let routers = dir.path().join("routers");
+    let assert = Command::cargo_bin("prefixctl")
+        .unwrap()
+        .args([
+            "bench",
+            "--workload",
+            "tenants",
+            "--strategies",
+            "PREFIX_AWARE,PREFIX_AWARE_PRECISE@2",
+            "--instances",
+            "3",
+            "--token-scale",
+            "0.25",
+            "--duration",
+            "20",
+            "--warmup",
+            "5",
+            "--concurrency",
+            "8",
+            "--time-scale",
+            "0.1",
+            "--out",
+            out.to_str().unwrap(),
+            "--router-metrics",
+            routers.to_str().unwrap(),
+        ])
+        .assert()
+        .success();
+    let stdout = String::from_utf8_lossy(&assert.get_output().stdout).into_owned();
+    assert!(
+        stdout.contains("workload tenants") && stdout.contains("PREFIX_AWARE_PRECISE@2 "),
+        "{stdout}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(report["workload"], "tenants");
+    let tokenizer = &report["config"]["tokenizer"];
+    assert!(
+        tokenizer["path"].as_str().unwrap().contains("tiny")
+            && tokenizer["ids_per_workload_token"].as_f64().unwrap() > 1.0,
+        "{tokenizer}"
+    );
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results[0]["strategy"], "PREFIX_AWARE");
+    assert_eq!(results[1]["strategy"], "PREFIX_AWARE_PRECISE@2");
+    for r in results {
+        assert_eq!(r["errors"], 0, "{r}");
+        assert!(r["requests"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["kv_hit_rate"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(results[0]["kv_index"].is_null(), "approximate: no events");
+    // each precise router applied events and holds blocks: its index is exact
+    let index = results[1]["kv_index"].as_array().unwrap();
+    assert_eq!(index.len(), 2, "{}", results[1]);
+    for r in index {
+        assert!(r["kv_events"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["index_blocks"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // and says so per engine in its /metrics
+    for i in 0..2 {
+        let path = routers.join(format!("PREFIX_AWARE_PRECISE@2-router{i}.prom"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let engines = text
+            .lines()
+            .filter(|l| l.starts_with("prefix_router_kv_index_blocks{"))
+            .filter(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() > 0.0)
+            .count();
+        assert_eq!(engines, 3, "{}: {text}", path.display());
+    }
+    let approximate = std::fs::read_to_string(routers.join("PREFIX_AWARE-router0.prom")).unwrap();
+    assert!(
+        !approximate.contains("prefix_router_kv_index_blocks{"),
+        "{approximate}"
+    );
+}
+
+#[test]
 fn documents_in_the_system_message_with_small_caches_and_a_model_naming_no_endpoint() {
     // The bench's routers route by endpoint, so a model named after an engine (not the
     // endpoint) still reaches the fleet; the flags are recorded in the config.

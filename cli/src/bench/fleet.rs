@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use proto::control_plane_client::ControlPlaneClient;
 use proto::{
-    CreateEndpointConfigRequest, CreateEndpointRequest, DescribeEndpointRequest,
+    CreateEndpointConfigRequest, CreateEndpointRequest, DescribeEndpointRequest, KvEventsConfig,
     PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy,
     UpdateEndpointConfigRequest,
 };
@@ -17,6 +17,7 @@ use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
 use super::metrics::{self, CacheCounters, EngineMetrics, Histogram};
+use super::precise::{self, RouterIndex, SimTokenizer};
 
 /// The bench's endpoint, and its routers' default endpoint: they route every request to it,
 /// whatever model it names.
@@ -44,6 +45,9 @@ pub struct FleetSpec {
     pub max_num_seqs: Option<u32>,
     /// Routers' `--flow-control` (`None`: the router's default, on).
     pub flow_control: Option<data_plane::flow::Switch>,
+    /// engine-sims' `--tokenizer` and, for PREFIX_AWARE precise, their KV events named in the
+    /// variant (`None`: a token is 4 bytes, no events).
+    pub tokenizer: Option<SimTokenizer>,
 }
 
 /// The model engine-sim serves by default, the variant's model name when none is given.
@@ -224,29 +228,104 @@ impl Fleet {
             "cannot start an engine-sim in a fleet of --engines {}",
             self.spec.engines.join(",")
         );
-        let (l, url) = bind().await?;
+        let events = self.spec.tokenizer.as_ref().is_some_and(|t| t.kv_events);
+        // With KV events the engine's event ports follow its HTTP port: when they are taken (or
+        // taken between the check and the engine's bind), another HTTP port.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let (l, url) = bind().await?;
+            let port = l.local_addr()?.port();
+            if events && !precise::event_ports_free(port) {
+                anyhow::ensure!(
+                    attempts < 50,
+                    "no loopback port P with P+{0} and P+{1} free for an engine's KV events \
+                     in 50 tries",
+                    precise::EVENTS_PORT_OFFSET,
+                    precise::EVENTS_PORT_OFFSET + 1
+                );
+                continue;
+            }
+            let config = engine_sim::Config::try_parse_from(self.engine_flags(port))?;
+            let engine = spawn_server(url, move |rx| {
+                engine_sim::serve(l, config, async move {
+                    let _ = rx.await;
+                })
+            });
+            if events {
+                match self.wait_engine(engine).await {
+                    Ok(engine) => self.engines.push(engine),
+                    Err(e) if attempts < 50 => {
+                        tracing::debug!(error = %e, "engine-sim did not start; another port");
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+            } else {
+                self.engines.push(engine);
+            }
+            return Ok(self.engines.len() - 1);
+        }
+    }
+
+    /// engine-sim's flags for the next engine, listening on `port`.
+    fn engine_flags(&self, port: u16) -> Vec<String> {
         let n = self.engines.len();
+        let mut capacity = self.spec.kv_capacity_tokens;
         let mut flags = vec![
             "engine-sim".to_string(),
             "--listen".into(),
             "127.0.0.1:0".into(),
-            "--kv-capacity-tokens".into(),
-            self.spec.kv_capacity_tokens.to_string(),
             "--time-scale".into(),
             self.spec.time_scale.to_string(),
             "--seed".into(),
             (self.spec.seed.wrapping_add(n as u64)).to_string(),
         ];
+        if let Some(t) = &self.spec.tokenizer {
+            // the same text in the cache and the same simulated prefill time as without it
+            capacity = (capacity as f64 * t.ids_per_token).round() as u64;
+            let prefill = engine_sim::Config::default().prefill_tokens_per_s * t.ids_per_token;
+            flags.extend([
+                "--tokenizer".to_string(),
+                t.path.display().to_string(),
+                "--prefill-tokens-per-s".into(),
+                prefill.to_string(),
+            ]);
+            if t.kv_events {
+                flags.extend(precise::engine_flags(port));
+            }
+        }
+        flags.extend(["--kv-capacity-tokens".to_string(), capacity.to_string()]);
         if let Some(m) = self.spec.max_num_seqs {
             flags.extend(["--max-num-seqs".to_string(), m.to_string()]);
         }
-        let config = engine_sim::Config::try_parse_from(flags)?;
-        self.engines.push(spawn_server(url, move |rx| {
-            engine_sim::serve(l, config, async move {
-                let _ = rx.await;
-            })
-        }));
-        Ok(n)
+        flags
+    }
+
+    /// `engine` once its `/health` answers; its error when it stopped first (e.g. its KV-event
+    /// ports were taken when it bound them).
+    async fn wait_engine(&self, mut engine: Server) -> anyhow::Result<Server> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let health = format!("{}/health", engine.url);
+        loop {
+            if engine.task.as_ref().is_some_and(|t| t.is_finished()) {
+                let task = engine.task.take().expect("checked above");
+                return Err(match task.await {
+                    Ok(Err(e)) => e,
+                    Ok(Ok(())) => anyhow::anyhow!("engine-sim {} stopped at once", engine.url),
+                    Err(e) => anyhow::anyhow!("engine-sim {} failed: {e}", engine.url),
+                });
+            }
+            if metrics::get_text(&self.http, &health).await.is_ok() {
+                return Ok(engine);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let url = engine.url.clone();
+                engine.stop().await;
+                anyhow::bail!("engine-sim {url} did not answer /health within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     fn variants(&self, strategy: RoutingStrategy) -> Vec<ProductionVariant> {
@@ -260,11 +339,7 @@ impl Fleet {
             initial_variant_weight: Some(1.0),
             routing_config: Some(RoutingConfig {
                 routing_strategy: strategy as i32,
-                prefix_aware_routing_config: Some(PrefixAwareRoutingConfig {
-                    prefix_length: self.spec.prefix_length,
-                    concurrency_threshold: self.spec.concurrency_threshold,
-                    ..Default::default()
-                }),
+                prefix_aware_routing_config: Some(self.prefix_aware_config(strategy)),
                 ..Default::default()
             }),
             instances: self
@@ -273,6 +348,31 @@ impl Fleet {
                 .map(|&i| self.engines[i].url.clone())
                 .collect(),
         }]
+    }
+
+    /// The variant's PREFIX_AWARE settings; for PREFIX_AWARE precise, the engines' KV events and
+    /// their tokenizer.
+    fn prefix_aware_config(&self, strategy: RoutingStrategy) -> PrefixAwareRoutingConfig {
+        let mut c = PrefixAwareRoutingConfig {
+            prefix_length: self.spec.prefix_length,
+            concurrency_threshold: self.spec.concurrency_threshold,
+            ..Default::default()
+        };
+        if let Some(t) = self
+            .spec
+            .tokenizer
+            .as_ref()
+            .filter(|t| t.kv_events && strategy == RoutingStrategy::PrefixAware)
+        {
+            c.kv_events = Some(KvEventsConfig {
+                endpoint: precise::endpoint_template(),
+                replay_endpoint: precise::replay_endpoint_template(),
+                topic: precise::TOPIC.into(),
+                block_size: engine_sim::Config::default().block_size,
+            });
+            c.tokenizer = t.path.display().to_string();
+        }
+        c
     }
 
     /// Writes the current variant (strategy, instances) and waits until every router applied it.
@@ -391,6 +491,16 @@ impl Fleet {
             ));
         }
         Ok(h)
+    }
+
+    /// What each router's exact index took in (KV events, blocks), in router order.
+    pub async fn router_indexes(&self) -> anyhow::Result<Vec<RouterIndex>> {
+        let mut out = Vec::with_capacity(self.routers.len());
+        for r in &self.routers {
+            let text = metrics::get_text(&self.http, &format!("{}/metrics", r.url)).await?;
+            out.push(RouterIndex::from_metrics(&text));
+        }
+        Ok(out)
     }
 
     /// Each router's `/metrics`, to `dir/{label}-router{i}.prom`.

@@ -256,6 +256,7 @@ async fn phase(
         model_name: args.model.clone(),
         max_num_seqs: args.engines.is_empty().then_some(SLOTS),
         flow_control: Some(flow),
+        tokenizer: None,
     })
     .await
     .with_context(|| format!("starting the fleet of phase {name}"))?;

@@ -23,6 +23,7 @@ pub mod fleet;
 pub mod load;
 pub mod metrics;
 pub mod mixed;
+pub mod precise;
 pub mod report;
 pub mod shapes;
 pub mod table;
@@ -49,9 +50,11 @@ pub struct BenchArgs {
     /// Workload to run.
     #[arg(long, value_enum, default_value = "long-context")]
     pub workload: WorkloadKind,
-    /// Strategies to compare, comma-separated (each gets a fresh fleet). With --workload shapes
-    /// (default there: RANDOM,PREFIX_AWARE), `STRATEGY@N` runs that strategy on N routers (e.g.
-    /// RANDOM,PREFIX_AWARE,PREFIX_AWARE@4: one router, and four), labelled so in the report.
+    /// Strategies to compare, comma-separated (each gets a fresh fleet; default with --workload
+    /// shapes: RANDOM,PREFIX_AWARE). `STRATEGY@N` runs that strategy on N routers (e.g.
+    /// RANDOM,PREFIX_AWARE,PREFIX_AWARE@4: --routers, and four), labelled so in the report.
+    /// PREFIX_AWARE_PRECISE is PREFIX_AWARE fed by the engines' KV events: its engine-sims
+    /// publish them and its routers subscribe (see --tokenizer).
     #[arg(
         long,
         value_delimiter = ',',
@@ -168,6 +171,16 @@ pub struct BenchArgs {
     /// Update this Markdown file's section for the workload (e.g. BENCHMARKS.md).
     #[arg(long)]
     pub markdown: Option<std::path::PathBuf>,
+    /// The engine-sims' `tokenizer.json` (chat template beside it) when a run is
+    /// PREFIX_AWARE_PRECISE (default: chat-tokens' tiny ByteLevel BPE, written to a temporary
+    /// directory). Given, or with any precise run, every engine-sim of every run tokenizes with
+    /// it, so precise and approximate differ only in the events; their KV capacity and prefill
+    /// rate are scaled by its ids per workload token (4 bytes).
+    #[arg(long, value_name = "PATH", conflicts_with = "engines")]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// The tokenizer as loaded by [`run`] (`--tokenizer`, or the tiny one for precise runs).
+    #[arg(skip)]
+    pub sim_tokenizer: Option<precise::BenchTokenizer>,
 }
 
 /// One entry of `--strategies`: a strategy, and with `@N` its own number of routers.
@@ -176,13 +189,29 @@ pub struct StrategyRun {
     pub strategy: RoutingStrategy,
     /// `STRATEGY@N`: N routers for this run (`None`: `--routers`).
     pub routers: Option<u64>,
+    /// PREFIX_AWARE_PRECISE: the engines publish KV events and the routers subscribe.
+    pub precise: bool,
+}
+
+/// The label of PREFIX_AWARE fed by the engines' KV events.
+pub const PRECISE: &str = "PREFIX_AWARE_PRECISE";
+
+impl StrategyRun {
+    /// The strategy's name in the report, without `@N`.
+    pub fn name(&self) -> &'static str {
+        if self.precise {
+            PRECISE
+        } else {
+            self.strategy.user_name()
+        }
+    }
 }
 
 impl std::fmt::Display for StrategyRun {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.routers {
-            Some(n) => write!(f, "{}@{n}", self.strategy.user_name()),
-            None => f.write_str(self.strategy.user_name()),
+            Some(n) => write!(f, "{}@{n}", self.name()),
+            None => f.write_str(self.name()),
         }
     }
 }
@@ -192,6 +221,7 @@ impl From<RoutingStrategy> for StrategyRun {
         StrategyRun {
             strategy,
             routers: None,
+            precise: false,
         }
     }
 }
@@ -210,9 +240,17 @@ pub fn parse_strategy_run(s: &str) -> Result<StrategyRun, String> {
         }
         None => (s, None),
     };
+    if name.trim().eq_ignore_ascii_case(PRECISE) {
+        return Ok(StrategyRun {
+            strategy: RoutingStrategy::PrefixAware,
+            routers,
+            precise: true,
+        });
+    }
     Ok(StrategyRun {
-        strategy: parse_strategy(name)?,
+        strategy: parse_strategy(name).map_err(|e| format!("{e}, or {PRECISE}"))?,
         routers,
+        precise: false,
     })
 }
 
@@ -272,11 +310,18 @@ impl BenchArgs {
         if self.workload == WorkloadKind::Shapes {
             self.validate_shapes()?;
         } else {
+            self.validate_labels()?;
+            anyhow::ensure!(
+                self.router_url.is_none()
+                    || !self
+                        .strategies
+                        .iter()
+                        .any(|r| r.routers.is_some() || r.precise),
+                "invalid --strategies {} with --router-url: that is one run through the other \
+                 router",
+                self.strategies_list()
+            );
             let only_shapes = [
-                (
-                    self.strategies.iter().any(|r| r.routers.is_some()),
-                    "STRATEGY@N in --strategies",
-                ),
                 (self.fleet_script.is_some(), "--fleet-script"),
                 (!self.peer_cmd.is_empty(), "--peer-cmd"),
             ];
@@ -284,7 +329,7 @@ impl BenchArgs {
                 anyhow::ensure!(
                     !given,
                     "invalid {what} for --workload {}: only --workload shapes takes it (use \
-                     --routers, and --router-url for a router that already runs)",
+                     --router-url for a router that already runs)",
                     self.workload.name()
                 );
             }
@@ -296,6 +341,12 @@ impl BenchArgs {
             );
         }
         if !self.engines.is_empty() {
+            anyhow::ensure!(
+                !self.strategies.iter().any(|r| r.precise),
+                "invalid {PRECISE} with --engines: the bench gives the KV-event ports to the \
+                 engine-sims it starts; for running engines, set kv_events in the variant's \
+                 routing config and bench them through --router-url"
+            );
             anyhow::ensure!(
                 self.workload != WorkloadKind::Autoscale,
                 "invalid --workload autoscale with --engines: it starts and stops engines, \
@@ -347,6 +398,12 @@ impl BenchArgs {
              fresh engines with the shape's cache (e.g. --fleet-script \
              scripts/llama-server/fleet.sh)"
         );
+        self.validate_labels()
+    }
+
+    /// Every run's label (`--strategies`, `--peer-cmd`) names a row or column of the report: none
+    /// twice.
+    fn validate_labels(&self) -> anyhow::Result<()> {
         let mut labels: Vec<String> = self.strategies.iter().map(|r| r.to_string()).collect();
         labels.extend(self.peer_cmd.iter().map(|p| p.label.clone()));
         for (i, l) in labels.iter().enumerate() {
@@ -357,6 +414,11 @@ impl BenchArgs {
             );
         }
         Ok(())
+    }
+
+    fn strategies_list(&self) -> String {
+        let labels: Vec<String> = self.strategies.iter().map(|r| r.to_string()).collect();
+        labels.join(",")
     }
 
     /// The workload as run: its document role and cache regime, `salt` mixed into its texts,
@@ -412,6 +474,11 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         args.time_scale = 1.0;
         args.instances = args.engines.len() as u64;
     }
+    args.sim_tokenizer = match &args.tokenizer {
+        Some(path) => Some(precise::BenchTokenizer::at(path)?),
+        None if args.strategies.iter().any(|r| r.precise) => Some(precise::BenchTokenizer::tiny()?),
+        None => None,
+    };
     if args.workload == WorkloadKind::Shapes {
         return shapes::run_and_report(&args).await;
     }
@@ -432,11 +499,22 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         // One run through the other router; its texts are its own (salt past any strategy's).
         args.strategies.truncate(1);
     }
-    for (i, strategy) in args.strategies.iter().map(|r| r.strategy).enumerate() {
+    if let Some(t) = &args.sim_tokenizer {
+        eprintln!(
+            "engine-sims tokenize with {} ({:.2} ids per workload token; KV capacity and prefill \
+             rate scaled by it)",
+            t.describe(),
+            t.for_workload(&workload)?.ids_per_token
+        );
+    }
+    let runs = args.strategies.clone();
+    for (i, run) in runs.into_iter().enumerate() {
+        let mut run_args = args.clone();
+        run_args.routers = run.routers.unwrap_or(args.routers);
         let (r, s) = if args.router_url.is_some() {
             let w = Arc::new(args.workload(args.salt(0)));
             let d = Arc::new(w.documents());
-            let (mut r, mut s) = run_strategy(&args, &w, &d, strategy, None).await?;
+            let (mut r, mut s) = run_strategy(&run_args, &w, &d, run, None).await?;
             r.strategy = args.router_label.clone();
             if let Some(s) = s.as_mut() {
                 s.strategy = args.router_label.clone();
@@ -446,14 +524,24 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<()> {
             // The engines keep running between strategies: fresh texts for each.
             let w = Arc::new(args.workload(args.salt(i)));
             let d = Arc::new(w.documents());
-            run_strategy(&args, &w, &d, strategy, None).await?
+            run_strategy(&run_args, &w, &d, run, None).await?
         } else {
-            run_strategy(&args, &workload, &documents, strategy, None).await?
+            run_strategy(&run_args, &workload, &documents, run, None).await?
         };
         results.push(r);
         shares.extend(s);
     }
-    let report = BenchReport::new(&args, &workload, results);
+    let mut report = BenchReport::new(&args, &workload, results);
+    if let Some(t) = &args.sim_tokenizer {
+        report.config["tokenizer"] = serde_json::json!({
+            "path": t.describe(),
+            "ids_per_workload_token": t.for_workload(&workload)?.ids_per_token,
+            "note": "every engine-sim of every run tokenized with it (prompts as token ids, cache \
+                     blocks of 16 ids, KV capacity and prefill rate scaled by the ids per \
+                     workload token); PREFIX_AWARE_PRECISE runs add the engines' KV events and \
+                     the routers' subscriptions, nothing else",
+        });
+    }
     let mut json = serde_json::to_value(&report)?;
     report.print_table();
     if external {
@@ -568,11 +656,18 @@ fn command_line() -> String {
     format!("prefixctl {}", args.join(" "))
 }
 
-fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> FleetSpec {
-    FleetSpec {
+fn spec(args: &BenchArgs, workload: &Workload, run: StrategyRun) -> anyhow::Result<FleetSpec> {
+    let tokenizer = match &args.sim_tokenizer {
+        Some(t) => Some(precise::SimTokenizer {
+            kv_events: run.precise,
+            ..t.for_workload(workload)?
+        }),
+        None => None,
+    };
+    Ok(FleetSpec {
         instances: args.instances as usize,
-        routers: args.routers as usize,
-        strategy,
+        routers: run.routers.unwrap_or(args.routers) as usize,
+        strategy: run.strategy,
         prefix_length: args.prefix_length.unwrap_or(workload.prefix_length),
         concurrency_threshold: args.concurrency_threshold,
         kv_capacity_tokens: workload.kv_capacity_tokens,
@@ -586,7 +681,8 @@ fn spec(args: &BenchArgs, workload: &Workload, strategy: RoutingStrategy) -> Fle
             .flatten(),
         max_num_seqs: None,
         flow_control: None,
-    }
+        tokenizer,
+    })
 }
 
 /// The `model` the clients send (resolved by [`run`]).
@@ -642,10 +738,12 @@ async fn run_strategy(
     args: &BenchArgs,
     workload: &Arc<Workload>,
     documents: &Arc<Vec<Arc<str>>>,
-    strategy: RoutingStrategy,
+    run: StrategyRun,
     peer: Option<(&shapes::PeerCmd, std::path::PathBuf, Duration)>,
 ) -> anyhow::Result<(StrategyResult, Option<EngineShares>)> {
-    let mut fleet = Fleet::start(spec(args, workload, strategy)).await?;
+    let strategy = run.strategy;
+    let label = run.to_string();
+    let mut fleet = Fleet::start(spec(args, workload, run)?).await?;
     let peer = match peer {
         Some((cmd, log, within)) => match cmd.start(&fleet.instance_urls(), &log, within).await {
             Ok(p) => Some(p),
@@ -658,7 +756,7 @@ async fn run_strategy(
     };
     if !args.engines.is_empty()
         && args.workload != WorkloadKind::Shapes
-        && args.strategies.first().map(|r| r.strategy) == Some(strategy)
+        && args.strategies.first() == Some(&run)
     {
         for r in fleet.engine_readings().await? {
             match r.counters {
@@ -704,8 +802,7 @@ async fn run_strategy(
         format!(
             "{} {}",
             workload.kind.name(),
-            peer.as_ref()
-                .map_or(strategy.user_name(), |p| p.label.as_str())
+            peer.as_ref().map_or(label.as_str(), |p| p.label.as_str())
         ),
     );
     let mut samples: Vec<Sample> = Vec::new();
@@ -730,7 +827,7 @@ async fn run_strategy(
                         clients.abort();
                         bar.finish_and_clear();
                         fleet.stop().await;
-                        anyhow::bail!("stopped early: {}", failures.explain(strategy.user_name(), args.token_scale));
+                        anyhow::bail!("stopped early: {}", failures.explain(&label, args.token_scale));
                     }
                 }
                 None => break,
@@ -755,15 +852,10 @@ async fn run_strategy(
     bar.finish_and_clear();
     if failures.most_failed(1) {
         fleet.stop().await;
-        anyhow::bail!(
-            "{}",
-            failures.explain(strategy.user_name(), args.token_scale)
-        );
+        anyhow::bail!("{}", failures.explain(&label, args.token_scale));
     }
     if let Some(dir) = &args.router_metrics {
-        fleet
-            .write_router_metrics(dir, strategy.user_name())
-            .await?;
+        fleet.write_router_metrics(dir, &label).await?;
     }
     if let Some(p) = peer {
         p.stop().await;
@@ -803,7 +895,7 @@ async fn run_strategy(
             .filter(|(s, _)| in_window(s))
             .collect();
         EngineShares {
-            strategy: strategy.user_name().to_string(),
+            strategy: label.clone(),
             text_salt: workload.text_salt,
             engines: engines::windows(&begin.readings, &end.readings, &with_usage),
         }
@@ -824,8 +916,20 @@ async fn run_strategy(
         &end_hist.since(&begin_hist),
         autoscale_report,
     );
+    // A precise run's routers say what their exact indexes took in: none means no events.
+    let kv_index = match run.precise {
+        true => Some(fleet.router_indexes().await?),
+        false => None,
+    };
+    for (i, r) in kv_index.iter().flatten().enumerate() {
+        if r.kv_events == 0.0 {
+            eprintln!("{label}: router {i} applied no KV events (its index is not exact)");
+        }
+    }
     let result = StrategyResult {
+        strategy: label,
         timeline: Some(timeline.finish(&samples, &usages)),
+        kv_index,
         ..result
     };
     fleet.stop().await;
@@ -1090,9 +1194,11 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         out: None,
         plot: None,
         markdown: None,
+        tokenizer: None,
+        sim_tokenizer: None,
     };
     eprintln!("starting a fleet: control plane, 1 data plane, 7 engine-sims (long-context, time scale {})", args.time_scale);
-    let mut fleet = Fleet::start(spec(&bench, &workload, RoutingStrategy::Random)).await?;
+    let mut fleet = Fleet::start(spec(&bench, &workload, RoutingStrategy::Random.into())?).await?;
     let total = Duration::from_secs(args.seconds);
     let half = total / 2;
     // Each half: the first 30% warms the caches, the rest is measured.
@@ -1338,10 +1444,21 @@ mod tests {
             assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{e}");
         }
         let invalid = |args: &[&str]| parse(args).unwrap().validate().unwrap_err().to_string();
-        // the other workloads take none of the suite's flags
-        let e = invalid(&["--strategies", "PREFIX_AWARE@4"]);
+        // the other workloads take none of the suite's flags; STRATEGY@N they do
+        parse(&["--strategies", "PREFIX_AWARE,PREFIX_AWARE@4"])
+            .unwrap()
+            .validate()
+            .unwrap();
+        let e = invalid(&[
+            "--engines",
+            "http://h:1",
+            "--router-url",
+            "http://r:1",
+            "--strategies",
+            "PREFIX_AWARE@4",
+        ]);
         assert!(
-            e.contains("STRATEGY@N") && e.contains("--workload long-context"),
+            e.contains("--strategies PREFIX_AWARE@4 with --router-url"),
             "{e}"
         );
         let e = invalid(&["--peer-cmd", "a=x {port} {urls}"]);
@@ -1392,6 +1509,109 @@ mod tests {
         assert_eq!(shapes::prefix_length(&scaled), 410);
         let given = parse(&["--workload", "shapes", "--prefix-length", "1000"]).unwrap();
         assert_eq!(shapes::prefix_length(&given), 1000);
+    }
+
+    #[test]
+    fn precise_is_prefix_aware_fed_by_the_engines_events() {
+        let args = parse(&[
+            "--workload",
+            "tenants",
+            "--strategies",
+            "RANDOM,PREFIX_AWARE,PREFIX_AWARE_PRECISE,prefix_aware_precise@4",
+        ])
+        .unwrap();
+        args.validate().unwrap();
+        let labels: Vec<String> = args.strategies.iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            labels,
+            [
+                "RANDOM",
+                "PREFIX_AWARE",
+                "PREFIX_AWARE_PRECISE",
+                "PREFIX_AWARE_PRECISE@4"
+            ]
+        );
+        let precise = args.strategies[3];
+        assert_eq!(
+            (precise.strategy, precise.routers, precise.precise),
+            (RoutingStrategy::PrefixAware, Some(4), true)
+        );
+        assert!(!args.strategies[1].precise);
+        let e = parse(&["--strategies", "PREFIX_AWARE_EXACT"])
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("or PREFIX_AWARE_PRECISE"), "{e}");
+        let invalid = |args: &[&str]| parse(args).unwrap().validate().unwrap_err().to_string();
+        let e = invalid(&[
+            "--engines",
+            "http://h:1",
+            "--strategies",
+            "PREFIX_AWARE_PRECISE",
+        ]);
+        assert!(
+            e.contains("invalid PREFIX_AWARE_PRECISE with --engines"),
+            "{e}"
+        );
+        let e = invalid(&["--strategies", "PREFIX_AWARE_PRECISE,PREFIX_AWARE_PRECISE"]);
+        assert!(e.contains("given twice"), "{e}");
+        let e = parse(&["--engines", "http://h:1", "--tokenizer", "t.json"])
+            .err()
+            .unwrap();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_precise_fleet_names_its_engines_events_and_tokenizer_in_the_variant() {
+        let args = parse(&[
+            "--workload",
+            "tenants",
+            "--instances",
+            "2",
+            "--strategies",
+            "PREFIX_AWARE_PRECISE@2",
+        ])
+        .unwrap();
+        let tokenizer = precise::BenchTokenizer::tiny().unwrap();
+        let args = BenchArgs {
+            sim_tokenizer: Some(tokenizer.clone()),
+            ..args
+        };
+        let w = args.workload(0);
+        let spec = spec(&args, &w, args.strategies[0]).unwrap();
+        assert_eq!(spec.routers, 2);
+        let t = spec.tokenizer.clone().unwrap();
+        assert!(t.kv_events && t.path == tokenizer.path);
+        let fleet = Fleet::start(spec).await.unwrap();
+        // every engine publishes, and each router takes every engine's events in
+        let http = metrics::http_client();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let body = Workload::new(WorkloadKind::Tenants, 1)
+            .client(0)
+            .next(&w, &[], None)
+            .body("bench");
+        for router in fleet.router_urls() {
+            let req = http::Request::post(format!("{router}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from(body.clone())))
+                .unwrap();
+            let resp = http.request(req).await.unwrap();
+            assert!(resp.status().is_success(), "{}", resp.status());
+            http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap();
+        }
+        loop {
+            let indexes = fleet.router_indexes().await.unwrap();
+            if indexes
+                .iter()
+                .all(|r| r.kv_events > 0.0 && r.index_blocks > 0.0)
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{indexes:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        fleet.stop().await;
     }
 
     #[test]

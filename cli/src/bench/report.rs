@@ -66,6 +66,10 @@ pub struct StrategyResult {
     /// The whole run (warm-up included) window by window, and when its hit rate settled.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Timeline>,
+    /// PREFIX_AWARE_PRECISE: each router's exact index at the end of the run (KV events applied,
+    /// blocks indexed), in router order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_index: Option<Vec<super::precise::RouterIndex>>,
     #[serde(skip)]
     pub ttft_ms_sorted: Vec<f64>,
 }
@@ -156,6 +160,7 @@ impl StrategyResult {
             route_decision_p99_us: us(0.99),
             autoscale,
             timeline: None,
+            kv_index: None,
             ttft_ms_sorted: ttft,
         }
     }

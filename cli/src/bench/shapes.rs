@@ -571,12 +571,12 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<ShapesReport> {
             let (strategy, peer) = match router {
                 Router::Bench(r) => {
                     run_args.routers = r.routers.unwrap_or(args.routers);
-                    (r.strategy, None)
+                    (*r, None)
                 }
                 // the bench's own routers stand idle beside a peer: one is enough
                 Router::Peer(p) => {
                     run_args.routers = 1;
-                    (proto::RoutingStrategy::Random, Some(p))
+                    (proto::RoutingStrategy::Random.into(), Some(p))
                 }
             };
             if let Some(script) = &fleet_script {

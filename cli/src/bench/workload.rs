@@ -28,6 +28,10 @@ pub enum WorkloadKind {
     /// A few popular 3,000-token system prompts, each longer than the variant's `prefix_length`
     /// (so every user of one prompt shares one key), with many multi-turn users each.
     SystemPromptLong,
+    /// llm-d's many-tenant shape scaled down: 32 tenants of Zipf popularity, each a 4,000-token
+    /// system prompt shared by its users' multi-turn conversations (which resend their history),
+    /// and engine caches that hold about a third of the tenants' prompts.
+    Tenants,
     /// long-context while an instance joins and later one leaves.
     Autoscale,
     /// Flow control with the fleet full: a sheddable batch tenant at 3x capacity beside a
@@ -62,6 +66,7 @@ impl WorkloadKind {
             WorkloadKind::Sharegpt => "sharegpt",
             WorkloadKind::SystemPromptChat => "system-prompt-chat",
             WorkloadKind::SystemPromptLong => "system-prompt-long",
+            WorkloadKind::Tenants => "tenants",
             WorkloadKind::Autoscale => "autoscale",
             WorkloadKind::MixedPriority => "mixed-priority",
             WorkloadKind::Shapes => "shapes",
@@ -278,6 +283,24 @@ impl Workload {
                 w.user_tokens_median = 500.0;
                 w.reply_tokens_median = 40.0;
                 w.kv_capacity_tokens = 96_000;
+                w.prefix_length = 4096;
+            }
+            WorkloadKind::Tenants => {
+                // llm-d's published shape (150 tenants, a 6k-token shared prefix each, 5 users per
+                // tenant, 8 vLLM pods) at this machine's scale: 32 tenants of 4,000 tokens (128k
+                // tokens of prompts), about two users per tenant at 64 clients, more on the
+                // popular ones (Zipf 0.6). Each engine holds 44,000 tokens: 11 of the 32 prompts
+                // with no conversation beside them, so a router that sends a tenant where its
+                // prompt is not pays a 4,000-token prefill. The key (4,096 characters) lies
+                // inside the prompt: every user of a tenant shares it.
+                w.system_prompts = 32;
+                w.system_prompt_tokens = 4000;
+                w.zipf_exponent = 0.6;
+                w.min_turns = 3;
+                w.max_turns = 8;
+                w.user_tokens_median = 120.0;
+                w.reply_tokens_median = 60.0;
+                w.kv_capacity_tokens = 44_000;
                 w.prefix_length = 4096;
             }
             // Its requests are made by `bench::mixed`, not from these sizes.
@@ -514,7 +537,8 @@ impl ClientState {
         if !continuing {
             self.conversations_started += 1;
             let id = (self.client as u64) << 32 | self.conversations_started;
-            // Uniform unless the workload gives its system prompts a popularity (the shapes).
+            // Uniform unless the workload gives its system prompts a popularity (tenants, the
+            // shapes).
             let system = if w.zipf_exponent > 0.0 && w.system_prompts > 1 {
                 let zipf = Zipf::new(w.system_prompts as f64, w.zipf_exponent)
                     .expect("valid Zipf parameters");
@@ -678,6 +702,58 @@ mod tests {
         let mut c = w.client(0);
         let r = c.next(&w, &[], None);
         assert_eq!(r.messages[0].role, "system");
+    }
+
+    #[test]
+    fn tenants_share_long_prompts_of_zipf_popularity_that_a_third_of_fit_one_engine() {
+        let w = Workload::new(WorkloadKind::Tenants, 1);
+        assert_eq!(w.kind.name(), "tenants");
+        let prompts = (w.system_prompts * w.system_prompt_tokens) as u64;
+        let held = w.kv_capacity_tokens as f64 / prompts as f64;
+        assert!(
+            (0.3..0.4).contains(&held),
+            "one engine holds {held} of the prompts"
+        );
+        assert!(
+            prompts < 7 * w.kv_capacity_tokens,
+            "the fleet of 7 holds them all"
+        );
+        assert!(
+            w.system_prompt(0).len() > w.prefix_length as usize,
+            "one key per tenant"
+        );
+        let mut tenants = vec![0u32; w.system_prompts];
+        let mut conversations = 0;
+        for client in 0..64 {
+            let mut c = w.client(client);
+            let mut last: Option<Request> = None;
+            for _ in 0..40 {
+                let r = c.next(&w, &[], Some("a reply".into()));
+                match &last {
+                    // a turn resends the conversation so far
+                    Some(l) if l.affinity == r.affinity => {
+                        assert_eq!(r.messages[..l.messages.len()], l.messages[..]);
+                    }
+                    _ => {
+                        conversations += 1;
+                        let t = (0..w.system_prompts)
+                            .find(|&t| w.system_prompt(t) == r.messages[0].content)
+                            .unwrap();
+                        tenants[t] += 1;
+                    }
+                }
+                last = Some(r);
+            }
+        }
+        assert!(conversations > 300, "{conversations}");
+        assert!(
+            tenants[0] > 3 * tenants[31],
+            "popularity is skewed: {tenants:?}"
+        );
+        assert!(
+            tenants.iter().filter(|&&n| n > 0).count() > 24,
+            "most tenants are visited: {tenants:?}"
+        );
     }
 
     #[test]
