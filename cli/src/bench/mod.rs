@@ -13,6 +13,9 @@
 //! the one before it in the engines' caches. Hit rate and shares come from the engines' own
 //! `/metrics` counters when they have them, else from the responses (see [`engines`]).
 //!
+//! `PREFIX_AWARE_PRECISE` runs PREFIX_AWARE on the engines' KV events: [`precise`] gives the
+//! engine-sims their tokenizer and event ports and the variant its `kv_events` (see there).
+//!
 //! Module dependencies run one way: [`table`] and [`metrics`] are leaves; [`engines`] (per-engine
 //! windows and shares) uses [`fleet`] and [`load`]; [`timeline`] uses [`engines`]; [`report`] uses
 //! [`timeline`] and [`engines`]; this module wires them.
