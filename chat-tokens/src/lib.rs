@@ -105,10 +105,12 @@ pub struct ChatTokenizer {
     special: template::SpecialTokens,
     splitter: Option<segments::Splitter>,
     cache: segments::SegmentCache,
+    chunking: segments::Chunking,
 }
 
-/// The default bound on remembered piece ids: 256 Ki ids (1 MiB) per generation, two generations.
-pub const DEFAULT_CACHE_TOKENS: usize = 256 * 1024;
+/// The default bound on remembered piece ids: 1 Mi ids (4 MiB) per generation, two generations
+/// (a fleet's tenants' system prompts and documents are easily several hundred thousand ids).
+pub const DEFAULT_CACHE_TOKENS: usize = 1024 * 1024;
 
 impl ChatTokenizer {
     /// Loads `tokenizer.json` at `path` and the chat template and special tokens beside it
@@ -138,6 +140,7 @@ impl ChatTokenizer {
             templates,
             special,
             cache: segments::SegmentCache::new(DEFAULT_CACHE_TOKENS),
+            chunking: segments::Chunking::new(),
         })
     }
 
@@ -214,13 +217,7 @@ impl ChatTokenizer {
                         .split(&text, |piece| {
                             match piece {
                                 segments::Piece::Token(id) => out.push(id),
-                                segments::Piece::Text(text) => {
-                                    let ids = self.cache.get_or_encode(text, |t| {
-                                        let mut ids = Vec::new();
-                                        self.encode(t, false, &mut ids).map(|()| ids)
-                                    })?;
-                                    out.extend_from_slice(&ids);
-                                }
+                                segments::Piece::Text(text) => self.encode_piece(text, out)?,
                             }
                             Ok(())
                         }),
@@ -232,6 +229,44 @@ impl ChatTokenizer {
                 self.completion_prompt(body, add_special, out)
             }
         }
+    }
+
+    /// Whether long chat pieces are encoded chunk by chunk (on until a check finds the chunks'
+    /// ids differ from the whole piece's with this tokenizer).
+    pub fn chunks_long_pieces(&self) -> bool {
+        self.chunking.is_on()
+    }
+
+    /// A piece's ids, remembered: a long piece chunk by chunk (a document a question follows, a
+    /// long message, re-encoded only from the chunk where it changed), while chunking checks out
+    /// on this tokenizer (see `segments::chunks`).
+    fn encode_piece(&self, text: &str, out: &mut Vec<u32>) -> Result<(), Error> {
+        let encode = |t: &str| {
+            let mut ids = Vec::new();
+            self.encode(t, false, &mut ids).map(|()| ids)
+        };
+        if text.len() < 2 * segments::CHUNK_BYTES || !self.chunking.is_on() {
+            out.extend_from_slice(&self.cache.get_or_encode(text, encode)?);
+            return Ok(());
+        }
+        let from = out.len();
+        for chunk in segments::chunks(text) {
+            out.extend_from_slice(&self.cache.get_or_encode(chunk, encode)?);
+        }
+        if self.chunking.check_next() {
+            let whole = encode(text)?;
+            if out[from..] != whole[..] {
+                tracing::warn!(
+                    tokenizer = %self.path.display(),
+                    "encoding long chat pieces chunk by chunk differs from encoding them whole \
+                     with this tokenizer; every piece is encoded whole from now on"
+                );
+                self.chunking.turn_off();
+                out.truncate(from);
+                out.extend_from_slice(&whole);
+            }
+        }
+        Ok(())
     }
 
     /// The text the chat template renders for a chat body (what [`ChatTokenizer::tokens`]

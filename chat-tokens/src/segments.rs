@@ -79,6 +79,82 @@ impl Splitter {
     }
 }
 
+/// The smallest chunk [`chunks`] cuts, in bytes.
+pub(crate) const CHUNK_BYTES: usize = 512;
+
+/// Cuts a long piece into chunks of at least [`CHUNK_BYTES`] at places where a byte-level BPE's
+/// pre-tokenizer (GPT-2's, Llama 3's and their kin) always splits: before a single space that
+/// follows a non-space ASCII character and precedes an ASCII letter (`word word`, `end. Next`),
+/// so the chunks' ids, encoded one by one and remembered, are the piece's ids whole. That holds
+/// for those pre-tokenizers, not for every tokenizer (a SentencePiece `Metaspace`, a normalizer
+/// that looks across words): [`Chunking`] checks it on the tokenizer in use.
+pub(crate) fn chunks(text: &str) -> impl Iterator<Item = &str> {
+    let bytes = text.as_bytes();
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= bytes.len() {
+            return None;
+        }
+        let mut at = start + CHUNK_BYTES;
+        let cut = loop {
+            if at + 1 >= bytes.len() {
+                break bytes.len();
+            }
+            match memchr::memchr(b' ', &bytes[at..bytes.len() - 1]) {
+                None => break bytes.len(),
+                Some(i) => {
+                    let p = at + i;
+                    if p > start
+                        && bytes[p - 1].is_ascii_graphic()
+                        && bytes[p + 1].is_ascii_alphabetic()
+                    {
+                        break p;
+                    }
+                    at = p + 1;
+                }
+            }
+        };
+        let chunk = &text[start..cut];
+        start = cut;
+        Some(chunk)
+    })
+}
+
+/// Whether [`chunks`] may be used with this tokenizer: the first [`Chunking::CHECKS`] long
+/// pieces (and one in [`Chunking::EVERY`] after) are also encoded whole and compared; a single
+/// difference turns chunking off for good.
+#[derive(Debug)]
+pub(crate) struct Chunking {
+    on: std::sync::atomic::AtomicBool,
+    seen: std::sync::atomic::AtomicU64,
+}
+
+impl Chunking {
+    pub(crate) const CHECKS: u64 = 32;
+    pub(crate) const EVERY: u64 = 1024;
+
+    pub(crate) fn new() -> Self {
+        Chunking {
+            on: std::sync::atomic::AtomicBool::new(true),
+            seen: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether this long piece should be checked against its whole encoding.
+    pub(crate) fn check_next(&self) -> bool {
+        let n = self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        n < Self::CHECKS || n % Self::EVERY == 0
+    }
+
+    pub(crate) fn turn_off(&self) {
+        self.on.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// A piece of the text: text to encode, or an added token's id.
 pub(crate) enum Piece<'a> {
     Text(&'a str),
@@ -155,5 +231,29 @@ impl SegmentCache {
         self.generations
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_text_and_cut_only_before_a_space_between_a_word_and_a_letter() {
+        let text =
+            "Intro. ".to_string() + &"alpha beta, gamma; 12 delta.\nÉté x  y \"q\" z ".repeat(200);
+        let cut: Vec<&str> = chunks(&text).collect();
+        assert!(cut.len() > 5, "{}", cut.len());
+        assert_eq!(cut.concat(), text);
+        for pair in cut.windows(2) {
+            let (a, b) = (pair[0].as_bytes(), pair[1].as_bytes());
+            assert!(a.len() >= CHUNK_BYTES);
+            assert!(a[a.len() - 1].is_ascii_graphic(), "{:?}", pair[0]);
+            assert!(b[0] == b' ' && b[1].is_ascii_alphabetic(), "{:?}", pair[1]);
+        }
+        // nothing to cut at: one chunk
+        let solid = "x".repeat(3000);
+        assert_eq!(chunks(&solid).collect::<Vec<_>>(), [solid.as_str()]);
+        assert_eq!(chunks("").count(), 0);
     }
 }

@@ -267,3 +267,58 @@ fn bad_files_and_bodies_say_what_and_where() {
         "add_special_tokens",
     );
 }
+
+#[test]
+fn long_messages_encoded_chunk_by_chunk_equal_the_whole_encoding() {
+    let dir = common::model_dir(true);
+    let t = ChatTokenizer::load(dir.path().join("tokenizer.json")).unwrap();
+    let whole = ChatTokenizer::load(dir.path().join("tokenizer.json"))
+        .unwrap()
+        .with_cache_tokens(0);
+    // documents of 2-12 KiB with a question after them: more than the checks chunking starts
+    // with, so a boundary this tokenizer splits differently would have turned it off
+    let words = [
+        "the",
+        "report's",
+        "3.5%",
+        "growth,",
+        "Café",
+        "naïve",
+        "x",
+        "(note)",
+        "\"quoted\"",
+        "don't",
+        "2024",
+        "—",
+        "emoji🙂",
+        "a.b",
+        "tab\there",
+        "new\nline",
+        "  double",
+    ];
+    let mut x = 7u64;
+    for n in 0..60 {
+        let mut doc = String::new();
+        while doc.len() < 2048 + (n % 6) * 2048 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            doc.push_str(words[(x >> 33) as usize % words.len()]);
+            doc.push(if x % 13 == 0 { '.' } else { ' ' });
+        }
+        let body = json!({"messages": [
+            {"role": "system", "content": "Answer from the document."},
+            {"role": "user", "content": format!("{doc}\nQuestion {n}: what grew?")},
+        ]})
+        .to_string();
+        assert_eq!(
+            tokens(&t, &body, RequestKind::Chat),
+            tokens(&whole, &body, RequestKind::Chat),
+            "document {n}"
+        );
+    }
+    assert!(
+        t.chunks_long_pieces(),
+        "chunking checked out on this tokenizer"
+    );
+}

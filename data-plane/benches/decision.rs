@@ -327,6 +327,31 @@ fn precise(c: &mut Criterion) {
             BatchSize::SmallInput,
         )
     });
+    // a 32 KiB document with a new question after it, in one user message (the document's
+    // chunks are remembered; only the last is encoded again)
+    let document = "The quarterly report covers revenue, costs and the outlook. ".repeat(550);
+    let mut q = 0u64;
+    group.bench_function("document_32KiB_new_question", |b| {
+        b.iter_batched(
+            || {
+                q += 1;
+                serde_json::to_vec(&serde_json::json!({"model": "e", "messages": [
+                    {"role": "user", "content": format!("{document}\nQuestion {q}: why?")}]}))
+                .unwrap()
+            },
+            |body| {
+                let req = RouteRequest {
+                    kind: BodyKind::OpenAi,
+                    body: &body,
+                    endpoint: Some("e"),
+                    target_variant: None,
+                    prefix_aware_id: None,
+                };
+                black_box(placement.route(&table, &req).unwrap().instance);
+            },
+            BatchSize::SmallInput,
+        )
+    });
     group.finish();
 }
 
