@@ -147,7 +147,7 @@ impl Chunking {
     /// Whether this long piece should be checked against its whole encoding.
     pub(crate) fn check_next(&self) -> bool {
         let n = self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        n < Self::CHECKS || n % Self::EVERY == 0
+        n < Self::CHECKS || n.is_multiple_of(Self::EVERY)
     }
 
     pub(crate) fn turn_off(&self) {
