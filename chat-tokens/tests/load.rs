@@ -304,7 +304,7 @@ fn long_messages_encoded_chunk_by_chunk_equal_the_whole_encoding() {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             doc.push_str(words[(x >> 33) as usize % words.len()]);
-            doc.push(if x % 13 == 0 { '.' } else { ' ' });
+            doc.push(if x.is_multiple_of(13) { '.' } else { ' ' });
         }
         let body = json!({"messages": [
             {"role": "system", "content": "Answer from the document."},
