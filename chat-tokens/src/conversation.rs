@@ -203,6 +203,9 @@ fn texts(i: usize, content: &Value) -> Result<Vec<String>, Error> {
                     }
                 }
             }
+            // vLLM keeps a part only if it parsed to something (`if parse_res:` in
+            // `renderers/chat_utils.py`): an empty text part adds no "\n"
+            out.retain(|t| !t.is_empty());
             Ok(out)
         }
         other => Err(Error::Body(format!(

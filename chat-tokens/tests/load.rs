@@ -322,3 +322,19 @@ fn long_messages_encoded_chunk_by_chunk_equal_the_whole_encoding() {
         "chunking checked out on this tokenizer"
     );
 }
+
+#[test]
+fn an_empty_text_part_adds_nothing_as_in_vllm() {
+    let dir = common::model_dir(true);
+    let t = ChatTokenizer::load(dir.path().join("tokenizer.json")).unwrap();
+    let with_empty = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": ""}, {"type": "text", "text": "there"}]}]})
+    .to_string();
+    let without = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]})
+    .to_string();
+    assert_eq!(
+        tokens(&t, &with_empty, RequestKind::Chat),
+        tokens(&t, &without, RequestKind::Chat)
+    );
+}
