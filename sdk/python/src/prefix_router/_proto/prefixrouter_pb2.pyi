@@ -30,12 +30,28 @@ REQUEST_PRIORITY_STANDARD: RequestPriority
 REQUEST_PRIORITY_SHEDDABLE: RequestPriority
 
 class PrefixAwareRoutingConfig(_message.Message):
-    __slots__ = ("prefix_length", "concurrency_threshold")
+    __slots__ = ("prefix_length", "concurrency_threshold", "kv_events", "tokenizer")
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     prefix_length: int
     concurrency_threshold: int
-    def __init__(self, prefix_length: _Optional[int] = ..., concurrency_threshold: _Optional[int] = ...) -> None: ...
+    kv_events: KvEventsConfig
+    tokenizer: str
+    def __init__(self, prefix_length: _Optional[int] = ..., concurrency_threshold: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsConfig, _Mapping]] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+
+class KvEventsConfig(_message.Message):
+    __slots__ = ("endpoint", "replay_endpoint", "topic", "block_size")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    block_size: int
+    def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class RoutingConfig(_message.Message):
     __slots__ = ("routing_strategy", "prefix_aware_routing_config", "default_priority")
