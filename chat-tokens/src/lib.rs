@@ -45,6 +45,23 @@ pub enum RequestKind {
     Completions,
 }
 
+/// How much of a rendered chat [`ChatTokenizer::tokens_while`] encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partial {
+    /// Bytes of the rendered text the ids cover (0 for completions).
+    pub text_bytes: usize,
+    /// Bytes of the whole rendered text (0 for completions).
+    pub rendered_bytes: usize,
+    /// Whether the ids are the whole prompt's.
+    pub complete: bool,
+}
+
+/// Why a piece-wise encoding stopped.
+enum Halt {
+    Enough,
+    Error(Error),
+}
+
 /// What went wrong. Each names the file or the field and what was found there.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -186,7 +203,25 @@ impl ChatTokenizer {
     pub fn tokens(&self, body: &[u8], kind: RequestKind, out: &mut Vec<u32>) -> Result<(), Error> {
         let body: Value = serde_json::from_slice(body)
             .map_err(|e| Error::Body(format!("not a JSON object: {e}")))?;
-        self.tokens_of(&body, kind, out)
+        self.tokens_of(&body, kind, out, &mut |_| true).map(drop)
+    }
+
+    /// [`ChatTokenizer::tokens`] that may stop early: after each piece of a rendered chat (the
+    /// text between special tokens, and each special token), `more(ids so far)` says whether
+    /// the rest is wanted (a router stops where no engine holds the prompt's blocks any longer:
+    /// what follows only adds to its length). `out` then holds a prefix of the ids; the
+    /// [`Partial`] says how much of the rendered text they cover. Completions and tokenizers
+    /// without the piece-wise path encode whole.
+    pub fn tokens_while(
+        &self,
+        body: &[u8],
+        kind: RequestKind,
+        out: &mut Vec<u32>,
+        more: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, Error> {
+        let body: Value = serde_json::from_slice(body)
+            .map_err(|e| Error::Body(format!("not a JSON object: {e}")))?;
+        self.tokens_of(&body, kind, out, more)
     }
 
     /// [`ChatTokenizer::tokens`] for a body already parsed (serde_json's maps without its
@@ -197,10 +232,17 @@ impl ChatTokenizer {
         kind: RequestKind,
         out: &mut Vec<u32>,
     ) -> Result<(), Error> {
-        self.tokens_of(&Value::from_serialize(body), kind, out)
+        self.tokens_of(&Value::from_serialize(body), kind, out, &mut |_| true)
+            .map(drop)
     }
 
-    fn tokens_of(&self, body: &Value, kind: RequestKind, out: &mut Vec<u32>) -> Result<(), Error> {
+    fn tokens_of(
+        &self,
+        body: &Value,
+        kind: RequestKind,
+        out: &mut Vec<u32>,
+        more: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, Error> {
         out.clear();
         if body.kind() != minijinja::value::ValueKind::Map {
             return Err(Error::Body(format!(
@@ -212,21 +254,52 @@ impl ChatTokenizer {
             RequestKind::Chat => {
                 let add_special = flag(body, "add_special_tokens")?.unwrap_or(false);
                 let text = self.render(body)?;
+                let whole = Partial {
+                    text_bytes: text.len(),
+                    rendered_bytes: text.len(),
+                    complete: true,
+                };
                 match &self.splitter {
-                    Some(splitter) if !add_special && self.cache.capacity_tokens() > 0 => splitter
-                        .split(&text, |piece| {
+                    Some(splitter) if !add_special && self.cache.capacity_tokens() > 0 => {
+                        let mut covered = 0;
+                        let split = splitter.split(&text, |piece| {
                             match piece {
-                                segments::Piece::Token(id) => out.push(id),
-                                segments::Piece::Text(text) => self.encode_piece(text, out)?,
+                                segments::Piece::Token(id, len) => {
+                                    out.push(id);
+                                    covered += len;
+                                }
+                                segments::Piece::Text(text) => {
+                                    self.encode_piece(text, out).map_err(Halt::Error)?;
+                                    covered += text.len();
+                                }
                             }
-                            Ok(())
-                        }),
-                    _ => self.encode(&text, add_special, out),
+                            if more(out) {
+                                Ok(())
+                            } else {
+                                Err(Halt::Enough)
+                            }
+                        });
+                        match split {
+                            Ok(()) => Ok(whole),
+                            Err(Halt::Enough) => Ok(Partial {
+                                text_bytes: covered,
+                                complete: covered == text.len(),
+                                ..whole
+                            }),
+                            Err(Halt::Error(e)) => Err(e),
+                        }
+                    }
+                    _ => self.encode(&text, add_special, out).map(|()| whole),
                 }
             }
             RequestKind::Completions => {
                 let add_special = flag(body, "add_special_tokens")?.unwrap_or(true);
-                self.completion_prompt(body, add_special, out)
+                self.completion_prompt(body, add_special, out)?;
+                Ok(Partial {
+                    text_bytes: 0,
+                    rendered_bytes: 0,
+                    complete: true,
+                })
             }
         }
     }

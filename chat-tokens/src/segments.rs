@@ -69,7 +69,7 @@ impl Splitter {
             if m.start() > at {
                 each(Piece::Text(&text[at..m.start()]))?;
             }
-            each(Piece::Token(self.ids[m.pattern().as_usize()]))?;
+            each(Piece::Token(self.ids[m.pattern().as_usize()], m.len()))?;
             at = m.end();
         }
         if at < text.len() {
@@ -155,10 +155,10 @@ impl Chunking {
     }
 }
 
-/// A piece of the text: text to encode, or an added token's id.
+/// A piece of the text: text to encode, or an added token's id (and its length in the text).
 pub(crate) enum Piece<'a> {
     Text(&'a str),
-    Token(u32),
+    Token(u32, usize),
 }
 
 /// Ids of pieces already encoded.

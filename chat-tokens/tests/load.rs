@@ -338,3 +338,42 @@ fn an_empty_text_part_adds_nothing_as_in_vllm() {
         tokens(&t, &without, RequestKind::Chat)
     );
 }
+
+#[test]
+fn tokens_while_stops_after_the_piece_it_is_told_to_and_gives_a_prefix() {
+    let dir = common::model_dir(true);
+    let t = ChatTokenizer::load(dir.path().join("tokenizer.json")).unwrap();
+    let body = json!({"messages": [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "First question, please."},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Second question."}]})
+    .to_string();
+    let all = tokens(&t, &body, RequestKind::Chat);
+    let mut out = Vec::new();
+    let whole = t
+        .tokens_while(body.as_bytes(), RequestKind::Chat, &mut out, &mut |_| true)
+        .unwrap();
+    assert_eq!(out, all);
+    assert!(whole.complete && whole.text_bytes == whole.rendered_bytes);
+    // stop once 10 ids are in: a prefix, and the text it covers
+    let mut calls = 0;
+    let part = t
+        .tokens_while(body.as_bytes(), RequestKind::Chat, &mut out, &mut |ids| {
+            calls += 1;
+            ids.len() < 10
+        })
+        .unwrap();
+    assert!(
+        !part.complete && part.text_bytes < part.rendered_bytes,
+        "{part:?}"
+    );
+    assert!(
+        out.len() >= 10 && out.len() < all.len(),
+        "{} of {}",
+        out.len(),
+        all.len()
+    );
+    assert_eq!(out[..], all[..out.len()]);
+    assert!(calls > 1);
+}

@@ -41,12 +41,23 @@ pub const MAX_BLOCKS: usize = 1 << 21;
 /// seed, into `out`.
 pub fn block_keys(tokens: &[u32], block_size: usize, lora: Option<&str>, out: &mut Vec<u64>) {
     out.clear();
+    extend_block_keys(tokens, block_size, lora, out);
+}
+
+/// [`block_keys`] for the full blocks of `tokens` past the `out.len()` already keyed (`tokens`
+/// having grown since).
+pub fn extend_block_keys(
+    tokens: &[u32],
+    block_size: usize,
+    lora: Option<&str>,
+    out: &mut Vec<u64>,
+) {
     if block_size == 0 {
         return;
     }
-    let mut key = lora_seed(lora);
+    let mut key = out.last().copied().unwrap_or_else(|| lora_seed(lora));
     let mut bytes = [0u8; 4 * 64];
-    for block in tokens.chunks_exact(block_size) {
+    for block in tokens.chunks_exact(block_size).skip(out.len()) {
         key = chain(key, block, &mut bytes);
         out.push(key);
     }
@@ -244,6 +255,15 @@ impl KvIndex {
                 break;
             }
         }
+    }
+
+    /// Whether an exact instance holds the block keyed `key`.
+    pub fn held_anywhere(&self, key: u64) -> bool {
+        let inner = self.lock();
+        inner
+            .blocks
+            .get(&key)
+            .is_some_and(|holders| holders.iter().any(|&h| inner.slots[h as usize].live))
     }
 
     /// Per instance id hash: whether it is exact, its blocks, and its subscriber's counters.

@@ -225,8 +225,15 @@ impl Placement {
                     } = scratch;
                     let chars = prompt_blocks(req.kind, req.body, seed, MAX_PROMPT_BYTES, blocks);
                     let exact_block_bytes = exact_matches(variant, req, tokens, keys, exact)
-                        .map_or(0.0, |tokens_per_block| {
-                            tokens_per_block as f64 * chars as f64 / tokens.len().max(1) as f64
+                        .map_or(0.0, |(tokens_per_block, partial)| {
+                            // the bytes a block of tokens stands for: of the rendered text the
+                            // tokens cover (all of it, or up to where no engine held more)
+                            let per_token = if partial.complete {
+                                chars as f64 / tokens.len().max(1) as f64
+                            } else {
+                                partial.text_bytes as f64 / tokens.len().max(1) as f64
+                            };
+                            tokens_per_block as f64 * per_token
                         });
                     let prompt = Prompt {
                         key: key.hash,
@@ -305,17 +312,19 @@ impl Placement {
 }
 
 /// For a variant whose engines publish KV events: the prompt's tokens as the engines compute
-/// them, and for each instance `Some(leading blocks it holds)` when its index is exact (`None`:
-/// inferred) into `exact`; returns the tokens per block. `None` (and `exact` empty) when the
-/// variant has no events, no block size is known yet, or the body does not tokenize (the
-/// engine will say why; placement goes by the inferred index).
+/// them (up to the first block no exact instance holds: the rest can only be missed, and its
+/// length is the prompt's), and for each instance `Some(leading blocks it holds)` when its index
+/// is exact (`None`: inferred) into `exact`; returns the tokens per block and how much of the
+/// prompt the tokens cover. `None` (and `exact` empty) when the variant has no events, no block
+/// size is known yet, or the body does not tokenize (the engine will say why; placement goes by
+/// the inferred index).
 fn exact_matches(
     variant: &Variant,
     req: &RouteRequest<'_>,
     tokens: &mut Vec<u32>,
     keys: &mut Vec<u64>,
     exact: &mut Vec<Option<u32>>,
-) -> Option<u32> {
+) -> Option<(u32, chat_tokens::Partial)> {
     exact.clear();
     let kv = variant.kv_events()?;
     let index = variant.load().kv_if_any()?;
@@ -331,10 +340,18 @@ fn exact_matches(
     } else {
         chat_tokens::RequestKind::Completions
     };
-    kv.tokenizer.tokens(req.body, kind, tokens).ok()?;
-    crate::kv_index::block_keys(tokens, block_size as usize, None, keys);
+    keys.clear();
+    let bs = block_size as usize;
+    let partial = kv
+        .tokenizer
+        .tokens_while(req.body, kind, tokens, &mut |so_far| {
+            let had = keys.len();
+            crate::kv_index::extend_block_keys(so_far, bs, None, keys);
+            keys.len() == had || keys.last().is_some_and(|&k| index.held_anywhere(k))
+        })
+        .ok()?;
     index.matches(variant.id_hashes(), keys, exact);
-    Some(block_size)
+    Some((block_size, partial))
 }
 
 #[cfg(test)]
