@@ -16,6 +16,9 @@ use proto::{KvEventsConfig, RoutingStrategy};
 use test_support::{bind_loopback, wait_for, InProcessServer};
 use tokio::net::TcpListener;
 
+mod kv_common;
+use kv_common::rendezvous_first;
+
 const ENDPOINT: &str = "chat";
 /// The engines' event ports, from their HTTP ports.
 const PUB_OFFSET: u16 = 1000;
@@ -96,26 +99,7 @@ async fn get(url: &str) -> String {
 
 /// The value of `name{instance=...}` in a router's `/metrics`.
 async fn metric(router: &str, name: &str, instance: &str) -> Option<f64> {
-    let metrics = get(&format!("{router}/metrics")).await;
-    let line = metrics.lines().find(|l| {
-        l.starts_with(&format!("{name}{{")) && l.contains(&format!("instance=\"{instance}\""))
-    })?;
-    line.rsplit(' ').next()?.parse().ok()
-}
-
-/// The first instance of the key's rendezvous ranking, as every router computes it.
-fn rendezvous_first(instances: &[String], body: &[u8]) -> usize {
-    let hashes: Vec<u64> = instances
-        .iter()
-        .map(|i| xxhash_rust::xxh3::xxh3_64(i.as_bytes()))
-        .collect();
-    let key = data_plane::prompt::prompt_key(
-        data_plane::prompt::BodyKind::OpenAi,
-        body,
-        2048,
-        data_plane::prompt::DEFAULT_SEED,
-    );
-    data_plane::placement::rendezvous_top(&hashes, key.hash).0
+    kv_common::metric_value(&get(&format!("{router}/metrics")).await, name, instance)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

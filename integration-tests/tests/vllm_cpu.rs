@@ -22,6 +22,8 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use integration_tests::{variant, InProcessControlPlane};
+
+mod kv_common;
 use kv_events::{Event, Sink, Subscriber, SubscriberConfig};
 use proto::{KvEventsConfig, RoutingStrategy};
 use serde_json::{json, Value};
@@ -417,26 +419,12 @@ async fn vllms_block_stored_events_hold_the_routers_tokens() {
 
 async fn metric(router: &str, name: &str, instance: &str) -> Option<f64> {
     let (_, text, _) = request("GET", &format!("{router}/metrics"), None).await;
-    let text = text.as_str()?.to_string();
-    let line = text.lines().find(|l| {
-        l.starts_with(&format!("{name}{{")) && l.contains(&format!("instance=\"{instance}\""))
-    })?;
-    line.rsplit(' ').next()?.parse().ok()
+    kv_common::metric_value(text.as_str()?, name, instance)
 }
 
 /// The first instance of the key's rendezvous ranking, as every router computes it.
 fn rendezvous_first(instances: &[String], body: &Value) -> usize {
-    let hashes: Vec<u64> = instances
-        .iter()
-        .map(|i| xxhash_rust::xxh3::xxh3_64(i.as_bytes()))
-        .collect();
-    let key = data_plane::prompt::prompt_key(
-        data_plane::prompt::BodyKind::OpenAi,
-        body.to_string().as_bytes(),
-        2048,
-        data_plane::prompt::DEFAULT_SEED,
-    );
-    data_plane::placement::rendezvous_top(&hashes, key.hash).0
+    kv_common::rendezvous_first(instances, body.to_string().as_bytes())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
