@@ -11,8 +11,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use integration_tests::{variant, InProcessControlPlane};
-use proto::{KvEventsConfig, RoutingStrategy};
+use integration_tests::InProcessControlPlane;
 use test_support::{bind_loopback, wait_for, InProcessServer};
 use tokio::net::TcpListener;
 
@@ -121,25 +120,7 @@ async fn both_routers_send_a_prompt_to_the_engine_that_reports_it_until_that_eng
     let client = proto::client::Client::connect(control_plane.url.clone())
         .await
         .unwrap();
-    let mut v = variant(
-        "v1",
-        RoutingStrategy::PrefixAware,
-        &[&urls[0], &urls[1], &urls[2]],
-    );
-    let pa = v
-        .routing_config
-        .as_mut()
-        .unwrap()
-        .prefix_aware_routing_config
-        .as_mut()
-        .unwrap();
-    pa.kv_events = Some(KvEventsConfig {
-        endpoint: format!("tcp://{{host}}:{{port+{PUB_OFFSET}}}"),
-        replay_endpoint: format!("tcp://{{host}}:{{port+{}}}", PUB_OFFSET + 1),
-        topic: "kv".into(),
-        block_size: 16,
-    });
-    pa.tokenizer = tokenizer();
+    let v = kv_common::events_variant(&urls, PUB_OFFSET, 16, tokenizer());
     client
         .create_endpoint_config(ENDPOINT, vec![v])
         .await
@@ -149,17 +130,7 @@ async fn both_routers_send_a_prompt_to_the_engine_that_reports_it_until_that_eng
     // only the holder's cache has the document (sent to it directly, before the routers start)
     post(&urls[holder], &body).await;
 
-    let mut routers = Vec::new();
-    for node in ["dp-a", "dp-b"] {
-        let config = data_plane::Config {
-            control_plane: control_plane.url.clone(),
-            node_id: Some(node.into()),
-            default_endpoint: Some(ENDPOINT.into()),
-            ..data_plane::Config::default()
-        };
-        let server = InProcessServer::start(|l, stop| data_plane::serve(l, config, stop)).await;
-        routers.push(server);
-    }
+    let routers = kv_common::start_routers(&control_plane.url, ENDPOINT, &["dp-a", "dp-b"]).await;
     let router_urls: Vec<String> = routers.iter().map(|r| r.url()).collect();
     // each router learns the holder's blocks: replayed from its buffer, or from the events after
     let holder_url = urls[holder].clone();

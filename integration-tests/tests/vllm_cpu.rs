@@ -21,13 +21,12 @@ use chat_tokens::{ChatTokenizer, RequestKind};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use integration_tests::{variant, InProcessControlPlane};
+use integration_tests::InProcessControlPlane;
 
 mod kv_common;
 use kv_events::{Event, Sink, Subscriber, SubscriberConfig};
-use proto::{KvEventsConfig, RoutingStrategy};
 use serde_json::{json, Value};
-use test_support::{wait_for, InProcessServer};
+use test_support::wait_for;
 
 const HOW: &str = "scripts/vllm-cpu/install.sh, then \
                    PREFIX_ROUTER_VLLM=1 cargo test -p integration-tests --test vllm_cpu";
@@ -445,37 +444,19 @@ async fn both_routers_send_a_prompt_to_the_vllm_engine_that_reports_it() {
     let client = proto::client::Client::connect(control_plane.url.clone())
         .await
         .unwrap();
-    let mut v = variant("v1", RoutingStrategy::PrefixAware, &[&urls[0], &urls[1]]);
-    let pa = v
-        .routing_config
-        .as_mut()
-        .unwrap()
-        .prefix_aware_routing_config
-        .as_mut()
-        .unwrap();
-    pa.kv_events = Some(KvEventsConfig {
-        endpoint: format!("tcp://{{host}}:{{port+{PUB_OFFSET}}}"),
-        replay_endpoint: format!("tcp://{{host}}:{{port+{}}}", PUB_OFFSET + 1),
-        topic: "kv".into(),
-        block_size: BLOCK as u32,
-    });
-    pa.tokenizer = fleet.tokenizer_json().display().to_string();
+    let v = kv_common::events_variant(
+        urls,
+        PUB_OFFSET,
+        BLOCK as u32,
+        fleet.tokenizer_json().display().to_string(),
+    );
     client.create_endpoint_config(MODEL, vec![v]).await.unwrap();
     client.create_endpoint(MODEL, MODEL).await.unwrap();
 
     // only the holder's cache has the document (sent to it directly, before the routers start)
     chat(&urls[holder], &body).await;
 
-    let mut routers = Vec::new();
-    for node in ["dp-a", "dp-b"] {
-        let config = data_plane::Config {
-            control_plane: control_plane.url.clone(),
-            node_id: Some(node.into()),
-            default_endpoint: Some(MODEL.into()),
-            ..data_plane::Config::default()
-        };
-        routers.push(InProcessServer::start(|l, stop| data_plane::serve(l, config, stop)).await);
-    }
+    let routers = kv_common::start_routers(&control_plane.url, MODEL, &["dp-a", "dp-b"]).await;
     for r in &routers {
         let r = r.url();
         // the router learns the holder's blocks from vLLM's replay buffer

@@ -23,3 +23,51 @@ pub fn rendezvous_first(instances: &[String], body: &[u8]) -> usize {
     );
     data_plane::placement::rendezvous_top(&hashes, key.hash).0
 }
+
+/// A PREFIX_AWARE variant over `urls` whose engines publish KV events at their port + `offset`
+/// (replay + `offset + 1`, topic `kv`), matched with the `tokenizer.json` at `tokenizer`.
+pub fn events_variant(
+    urls: &[String],
+    offset: u16,
+    block_size: u32,
+    tokenizer: String,
+) -> proto::ProductionVariant {
+    let instances: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let mut v = integration_tests::variant("v1", proto::RoutingStrategy::PrefixAware, &instances);
+    let pa = v
+        .routing_config
+        .as_mut()
+        .and_then(|rc| rc.prefix_aware_routing_config.as_mut())
+        .expect("a PREFIX_AWARE variant has its config");
+    pa.kv_events = Some(proto::KvEventsConfig {
+        endpoint: format!("tcp://{{host}}:{{port+{offset}}}"),
+        replay_endpoint: format!("tcp://{{host}}:{{port+{}}}", offset + 1),
+        topic: "kv".into(),
+        block_size,
+    });
+    pa.tokenizer = tokenizer;
+    v
+}
+
+/// Data planes `dp-a`, `dp-b`, ... (one per `nodes`) watching `control_plane`, with
+/// `endpoint` as their default.
+pub async fn start_routers(
+    control_plane: &str,
+    endpoint: &str,
+    nodes: &[&str],
+) -> Vec<test_support::InProcessServer> {
+    let mut routers = Vec::new();
+    for node in nodes {
+        let config = data_plane::Config {
+            control_plane: control_plane.to_string(),
+            node_id: Some(node.to_string()),
+            default_endpoint: Some(endpoint.into()),
+            ..data_plane::Config::default()
+        };
+        routers.push(
+            test_support::InProcessServer::start(|l, stop| data_plane::serve(l, config, stop))
+                .await,
+        );
+    }
+    routers
+}
