@@ -298,6 +298,27 @@ impl PeerCmd {
         log: &Path,
         ready_within: Duration,
     ) -> anyhow::Result<RunningPeer> {
+        // The port is free when it is picked, but another process may take it before the
+        // peer binds it: a peer that exits on "address in use" is started again on a new port.
+        const ATTEMPTS: usize = 3;
+        for attempt in 1..=ATTEMPTS {
+            match self.start_once(engines, log, ready_within).await? {
+                Started::Ready(peer) => return Ok(peer),
+                Started::Exited(e) if attempt < ATTEMPTS && port_was_taken(log) => {
+                    tracing::warn!(peer = %self.label, "{e:#}; starting it on another port");
+                }
+                Started::Exited(e) => return Err(e),
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    async fn start_once(
+        &self,
+        engines: &[String],
+        log: &Path,
+        ready_within: Duration,
+    ) -> anyhow::Result<Started> {
         use std::os::unix::process::CommandExt;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -325,15 +346,15 @@ impl PeerCmd {
         let health = format!("{}/health", peer.url);
         loop {
             if let Some(status) = peer.child.try_wait()? {
-                anyhow::bail!(
+                return Ok(Started::Exited(anyhow::anyhow!(
                     "peer {} exited ({status}) before its /health answered: sh -c {line:?}; its \
                      output: {}",
                     self.label,
                     tail(log)
-                );
+                )));
             }
             if metrics::get_text(&http, &health).await.is_ok() {
-                return Ok(peer);
+                return Ok(Started::Ready(peer));
             }
             if Instant::now() >= deadline {
                 peer.kill();
@@ -347,6 +368,20 @@ impl PeerCmd {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// How one attempt to start a peer ended.
+enum Started {
+    Ready(RunningPeer),
+    Exited(anyhow::Error),
+}
+
+/// Whether a peer's log says its port was taken (Python's and Rust's wordings).
+fn port_was_taken(log: &Path) -> bool {
+    let text = std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    text.contains("address already in use") || text.contains("addrinuse")
 }
 
 /// The last lines of a log, for an error message.
@@ -978,6 +1013,22 @@ mod tests {
             e.contains("peer gone exited") && e.contains("no router here"),
             "{e}"
         );
+        // a peer that loses its port to another process (the first time) is started again
+        let marker = dir.path().join("tried");
+        let racy = parse_peer_cmd(&format!(
+            "racy=cd {} && if [ ! -e {m} ]; then touch {m}; echo 'OSError: [Errno 98] Address \
+             already in use' >&2; exit 1; fi; exec python3 -m http.server --bind 127.0.0.1 \
+             {{port}} # {{urls}}",
+            root.display(),
+            m = marker.display()
+        ))
+        .unwrap();
+        let peer = racy
+            .start(&engines, &log, Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(marker.exists());
+        peer.stop().await;
     }
 
     #[tokio::test]
