@@ -358,7 +358,6 @@ impl Report for EndpointDescriptionDoc {
                 "CONNECTED",
                 "LAST_SEEN",
                 "QUEUED",
-                "CACHE_BOUND",
                 "LAST_NACK",
             ])
             .indent(2);
@@ -374,7 +373,6 @@ impl Report for EndpointDescriptionDoc {
                     } else {
                         "-".into()
                     },
-                    bounds_cell(&d.cache_bounds),
                     d.last_nack.clone().unwrap_or_else(|| "-".into()),
                 ]);
             }
@@ -400,32 +398,8 @@ pub struct DataPlaneDoc {
     /// Requests waiting in the node for this endpoint, as it last reported.
     #[serde(default)]
     pub queued: QueuedDoc,
-    /// The cache bounds the node learnt for this endpoint's variants (reused prompt prefixes an
-    /// instance's cache holds), as it last reported.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub cache_bounds: Vec<CacheBoundDoc>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_nack: Option<String>,
-}
-
-/// A cache bound one router learnt for one variant.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "PascalCase")]
-pub struct CacheBoundDoc {
-    pub variant_name: String,
-    pub keys: u32,
-}
-
-/// A router's learnt bounds as one table cell: `v1 2, v2 5`, or `-`.
-fn bounds_cell(bounds: &[CacheBoundDoc]) -> String {
-    if bounds.is_empty() {
-        return "-".into();
-    }
-    let cells: Vec<String> = bounds
-        .iter()
-        .map(|b| format!("{} {}", b.variant_name, b.keys))
-        .collect();
-    cells.join(", ")
 }
 
 /// Requests waiting in one router for one endpoint, by priority.
@@ -480,14 +454,6 @@ impl From<&DataPlaneStatus> for DataPlaneDoc {
                     standard: q.standard.saturating_add(e.standard),
                     sheddable: q.sheddable.saturating_add(e.sheddable),
                 }),
-            cache_bounds: d
-                .cache_bounds
-                .iter()
-                .map(|b| CacheBoundDoc {
-                    variant_name: b.variant_name.clone(),
-                    keys: b.keys,
-                })
-                .collect(),
             last_nack: (!d.last_nack.is_empty()).then(|| d.last_nack.clone()),
         }
     }
@@ -691,25 +657,5 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(DataPlaneDoc::from(&status).queued, q(1, 2, 4));
-    }
-
-    #[test]
-    fn a_routers_learnt_cache_bounds_read_as_variant_and_keys() {
-        let bound = |variant: &str, keys| proto::CacheBound {
-            endpoint_name: "chat".into(),
-            variant_name: variant.into(),
-            keys,
-        };
-        let status = DataPlaneStatus {
-            node_id: "dp-0".into(),
-            connected: true,
-            cache_bounds: vec![bound("v1", 2), bound("v2", 5)],
-            ..Default::default()
-        };
-        let doc = DataPlaneDoc::from(&status);
-        assert_eq!(bounds_cell(&doc.cache_bounds), "v1 2, v2 5");
-        assert_eq!(bounds_cell(&[]), "-");
-        let json = serde_json::to_value(&doc).unwrap();
-        assert_eq!(json["CacheBounds"][1]["Keys"], 5, "{json}");
     }
 }

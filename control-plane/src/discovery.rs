@@ -5,32 +5,10 @@
 //! versions are skipped when a router is slow: each table is complete). Each response carries a
 //! nonce; the router ACKs or NACKs it, and [`NodeRegistry`] records per node the applied version,
 //! the last NACK and when it was last heard from. A message that answers no push (an empty nonce)
-//! may carry the router's status (its queue depths, the cache bounds it learnt), kept while its
-//! stream is open. Tables are encoded once per version ([`crate::store::PublishedTable`]) and the
-//! same buffer goes to every watcher.
-//!
-//! Shared evidence: routers that each see part of the traffic learn how many of a variant's
-//! reused prefixes an instance's cache holds each from its own revisits, and until all have,
-//! they place differently, and with small caches every difference is an eviction (4 routers
-//! before 4 llama-servers took 20-40 s where one router took 10-20). So each watcher gets the
-//! least bound per variant that the other connected routers report
-//! ([`NodeRegistry::fleet_bounds_for`]; its own would only echo back, and a bound it forgot
-//! would come back as the fleet's) whenever that changes, in a response with no nonce and no
-//! table, which routers do not answer. It is this replica's routers' evidence only (not shared
-//! through etcd). The bound comes only once one router has enough revisits of its own to judge
-//! a cache, and each of 4 routers sees a quarter of them: each watcher is also sent, at most once
-//! per [`EVIDENCE_EVERY`], per instance the sum of the other connected routers' revisits of
-//! reused prefixes and their misses ([`NodeRegistry::fleet_evidence_for`]), which each router
-//! adds to its own, so that every router judges each cache on the whole fleet's revisits. A
-//! router's totals count from when its stream opened (what it reported then is a base): one that
-//! reconnects, to a restarted control plane or another replica, would otherwise bring its whole
-//! history into the others' samples as if it had just happened.
-//!
-//! Each router also reports the reused prefixes its last placement pass found in its own traffic,
-//! and each watcher is sent, with the evidence, per variant the union of the other connected
-//! routers' ([`NodeRegistry::fleet_reused_for`]): a router's pass counts them with its own, and the
-//! homes it assigns depend on that set, so routers whose samples put the bar between reused and
-//! not at different prefixes would otherwise assign different homes.
+//! may carry the router's status (its queue depths), kept while its stream is open. The control
+//! plane sends a router nothing but tables: routers share nothing with each other through it.
+//! Tables are encoded once per version ([`crate::store::PublishedTable`]) and the same buffer goes
+//! to every watcher.
 //!
 //! Each push is a `push_routing_table` span (node, version, nonce, bytes) that lasts until the
 //! node answers it, recording `result` = `ack` | `nack` (with the error) | `superseded`.
@@ -48,8 +26,6 @@ use proto::{WatchRoutingTableRequest, WatchRoutingTableResponse};
 
 use crate::store::{now_unix_ms, PublishedTable, Store};
 
-/// How often a watcher is sent the other routers' evidence, when it changed.
-const EVIDENCE_EVERY: Duration = Duration::from_secs(1);
 /// How long a new stream may take to send its first message.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -66,35 +42,13 @@ pub struct NodeStatus {
     /// Requests waiting in the node per endpoint, as it last reported (cleared when its last
     /// stream closes: a router that is gone holds no queue this control plane can vouch for).
     pub queues: Vec<proto::EndpointQueue>,
-    /// The cache bounds the node learnt, as it last reported (cleared with the queues).
-    pub cache_bounds: Vec<proto::CacheBound>,
-    /// Its own revisits and misses per instance, as it last reported (cleared with the queues).
-    pub cache_evidence: Vec<proto::CacheEvidence>,
-    /// What it reported when its stream opened: history that the other routers did not see
-    /// grow (a router that reconnects, to this control plane restarted or to another replica,
-    /// brings its totals since it started), left out of the fleet's sums.
-    pub evidence_base: Vec<proto::CacheEvidence>,
-    /// The reused prefixes its last placement pass found per variant, as it last reported
-    /// (cleared with the queues).
-    pub reused_keys: Vec<proto::ReusedKeys>,
 }
 
 /// Per-node rollout state, in memory: after a control-plane restart routers reconnect and
 /// report their versions again.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct NodeRegistry {
     nodes: Mutex<HashMap<String, NodeStatus>>,
-    /// Bumped whenever a node's reported cache bounds change (or go with its last stream).
-    bounds_changed: watch::Sender<u64>,
-}
-
-impl Default for NodeRegistry {
-    fn default() -> Self {
-        NodeRegistry {
-            nodes: Mutex::default(),
-            bounds_changed: watch::channel(0).0,
-        }
-    }
 }
 
 impl NodeRegistry {
@@ -102,101 +56,7 @@ impl NodeRegistry {
         let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
         let status = nodes.entry(node_id.to_string()).or_default();
         status.last_seen_unix_ms = now_unix_ms();
-        let (bounds, streams) = (status.cache_bounds.len(), status.streams);
-        let before = (bounds > 0).then(|| status.cache_bounds.clone());
         f(status);
-        let changed = match before {
-            Some(b) => b != status.cache_bounds || (streams > 0) != (status.streams > 0),
-            None => !status.cache_bounds.is_empty(),
-        };
-        drop(nodes);
-        if changed {
-            self.bounds_changed.send_modify(|n| *n += 1);
-        }
-    }
-
-    /// Per endpoint and variant, the least cache bound that a connected node other than
-    /// `node_id` reports, sorted by endpoint and variant (see the module doc).
-    pub fn fleet_bounds_for(&self, node_id: &str) -> Vec<proto::CacheBound> {
-        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
-        let others = nodes
-            .iter()
-            .filter(|(id, _)| id.as_str() != node_id)
-            .map(|(_, s)| s);
-        fleet_bounds(others)
-    }
-
-    /// Per endpoint, variant and instance, the sum of the revisits and misses that the connected
-    /// nodes other than `node_id` report, sorted by those three (see the module doc).
-    pub fn fleet_evidence_for(&self, node_id: &str) -> Vec<proto::CacheEvidence> {
-        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
-        fn at(x: &proto::CacheEvidence) -> (&str, &str, &str) {
-            (&x.endpoint_name, &x.variant_name, &x.instance_id)
-        }
-        let mut sum: std::collections::BTreeMap<(&str, &str, &str), (u64, u64)> =
-            Default::default();
-        for (_, s) in nodes
-            .iter()
-            .filter(|(id, s)| id.as_str() != node_id && s.streams > 0)
-        {
-            for (k, x) in s.cache_evidence.iter().enumerate() {
-                // a router reports in its table's order: the base's entry is at the same place
-                // unless instances came or went
-                let base = (s.evidence_base.get(k))
-                    .filter(|b| at(b) == at(x))
-                    .or_else(|| s.evidence_base.iter().find(|b| at(b) == at(x)));
-                let (r0, m0) = base.map_or((0, 0), |b| (b.revisits, b.misses));
-                let (revisits, misses) = sum.entry(at(x)).or_default();
-                *revisits = revisits.saturating_add(x.revisits.saturating_sub(r0));
-                *misses = misses.saturating_add(x.misses.saturating_sub(m0));
-            }
-        }
-        sum.into_iter()
-            .map(
-                |((endpoint, variant, instance), (revisits, misses))| proto::CacheEvidence {
-                    endpoint_name: endpoint.to_string(),
-                    variant_name: variant.to_string(),
-                    instance_id: instance.to_string(),
-                    revisits,
-                    misses,
-                },
-            )
-            .collect()
-    }
-
-    /// Per endpoint and variant, the union of the reused keys that the connected nodes other
-    /// than `node_id` report, sorted by endpoint and variant, each set sorted (see the module
-    /// doc).
-    pub fn fleet_reused_for(&self, node_id: &str) -> Vec<proto::ReusedKeys> {
-        let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
-        let mut union: std::collections::BTreeMap<(&str, &str), Vec<u64>> = Default::default();
-        for (_, s) in nodes
-            .iter()
-            .filter(|(id, s)| id.as_str() != node_id && s.streams > 0)
-        {
-            for r in &s.reused_keys {
-                let keys = union
-                    .entry((r.endpoint_name.as_str(), r.variant_name.as_str()))
-                    .or_default();
-                keys.extend_from_slice(&r.keys);
-            }
-        }
-        union
-            .into_iter()
-            .map(|((endpoint, variant), mut keys)| {
-                keys.sort_unstable();
-                keys.dedup();
-                proto::ReusedKeys {
-                    endpoint_name: endpoint.to_string(),
-                    variant_name: variant.to_string(),
-                    keys,
-                }
-            })
-            .collect()
-    }
-
-    fn subscribe_bounds(&self) -> watch::Receiver<u64> {
-        self.bounds_changed.subscribe()
     }
 
     /// Every node seen since start, sorted by id.
@@ -220,7 +80,6 @@ impl NodeRegistry {
                 last_seen_unix_ms: s.last_seen_unix_ms,
                 last_nack: s.last_nack,
                 queues: s.queues,
-                cache_bounds: s.cache_bounds,
             })
             .collect()
     }
@@ -230,31 +89,6 @@ impl NodeRegistry {
         let nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
         nodes.values().map(|s| s.streams).sum()
     }
-}
-
-/// The least bound per endpoint and variant over the nodes with an open stream.
-fn fleet_bounds<'a>(nodes: impl Iterator<Item = &'a NodeStatus>) -> Vec<proto::CacheBound> {
-    let mut least: std::collections::BTreeMap<(&str, &str), u32> = Default::default();
-    for b in nodes
-        .filter(|s| s.streams > 0)
-        .flat_map(|s| &s.cache_bounds)
-    {
-        if b.keys == 0 {
-            continue;
-        }
-        least
-            .entry((b.endpoint_name.as_str(), b.variant_name.as_str()))
-            .and_modify(|k| *k = (*k).min(b.keys))
-            .or_insert(b.keys);
-    }
-    least
-        .into_iter()
-        .map(|((endpoint, variant), keys)| proto::CacheBound {
-            endpoint_name: endpoint.to_string(),
-            variant_name: variant.to_string(),
-            keys,
-        })
-        .collect()
 }
 
 /// Decrements the node's stream count when a stream ends, however it ends.
@@ -269,10 +103,6 @@ impl Drop for StreamGuard {
             s.streams = s.streams.saturating_sub(1);
             if s.streams == 0 {
                 s.queues.clear();
-                s.cache_bounds.clear();
-                s.cache_evidence.clear();
-                s.evidence_base.clear();
-                s.reused_keys.clear();
             }
         });
     }
@@ -329,7 +159,6 @@ impl RoutingDiscovery for Discovery {
         let session = Session {
             _permit: permit,
             tables: self.store.subscribe(),
-            bounds: self.nodes.subscribe_bounds(),
             nodes: self.nodes.clone(),
             shutdown: self.shutdown.clone(),
             tx,
@@ -345,7 +174,6 @@ struct Session {
     /// Held for the stream's life.
     _permit: tokio::sync::OwnedSemaphorePermit,
     tables: watch::Receiver<Arc<PublishedTable>>,
-    bounds: watch::Receiver<u64>,
     nodes: Arc<NodeRegistry>,
     shutdown: watch::Receiver<bool>,
     tx: ResponseTx,
@@ -394,12 +222,6 @@ impl Session {
             }
             if let Some(status) = first.status {
                 s.queues = status.queues;
-                s.cache_bounds = status.cache_bounds;
-                if s.streams == 1 {
-                    s.evidence_base = status.cache_evidence.clone();
-                }
-                s.cache_evidence = status.cache_evidence;
-                s.reused_keys = status.reused_keys;
             }
         });
         let _guard = StreamGuard {
@@ -413,14 +235,6 @@ impl Session {
         );
 
         let mut held = first.applied_version;
-        // the fleet's bounds and evidence this router was last sent (none yet: nothing to send)
-        let mut sent: Vec<proto::CacheBound> = Vec::new();
-        let mut sent_evidence: Vec<proto::CacheEvidence> = Vec::new();
-        let mut sent_reused: Vec<proto::ReusedKeys> = Vec::new();
-        // the evidence grows with every request: it goes at most once per tick
-        let mut tick = tokio::time::interval(EVIDENCE_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut evidence_due = false;
         loop {
             let current = self.tables.borrow_and_update().clone();
             if current.version != held {
@@ -428,47 +242,9 @@ impl Session {
                     return;
                 }
                 held = current.version;
-                // a new table may hold new variants: the fleet's bounds and evidence follow it
-                // again (the evidence as it stands: a router takes an instance missing from it
-                // as one with none)
-                sent.clear();
-                sent_evidence.clear();
-                sent_reused.clear();
-                evidence_due = true;
-            }
-            self.bounds.borrow_and_update();
-            let fleet = self.nodes.fleet_bounds_for(&node_id);
-            let due = std::mem::take(&mut evidence_due);
-            let evidence = due
-                .then(|| self.nodes.fleet_evidence_for(&node_id))
-                .filter(|e| *e != sent_evidence);
-            let reused = due
-                .then(|| self.nodes.fleet_reused_for(&node_id))
-                .filter(|r| *r != sent_reused);
-            // every such message carries the evidence and the reused keys too (the last sent,
-            // if none is due)
-            if fleet != sent || evidence.is_some() || reused.is_some() {
-                if let Some(e) = evidence {
-                    sent_evidence = e;
-                }
-                if let Some(r) = reused {
-                    sent_reused = r;
-                }
-                let response = WatchRoutingTableResponse {
-                    fleet_cache_bounds: fleet.clone(),
-                    fleet_cache_evidence: sent_evidence.clone(),
-                    fleet_reused_keys: sent_reused.clone(),
-                    ..Default::default()
-                };
-                if self.tx.send(Ok(response)).await.is_err() {
-                    return;
-                }
-                sent = fleet;
             }
             tokio::select! {
-                _ = tick.tick() => evidence_due = true,
                 changed = self.tables.changed() => if changed.is_err() { return },
-                changed = self.bounds.changed() => if changed.is_err() { return },
                 _ = self.shutdown.changed() => return,
                 _ = self.tx.closed() => return,
                 msg = inbound.message() => match msg {
@@ -504,9 +280,6 @@ impl Session {
             version: table.version,
             nonce,
             routing_table: table.encoded.clone(),
-            fleet_cache_bounds: Vec::new(),
-            fleet_cache_evidence: Vec::new(),
-            fleet_reused_keys: Vec::new(),
         };
         self.tx.send(Ok(response)).await.is_ok()
     }
@@ -533,9 +306,6 @@ impl Session {
             }
             if let Some(status) = reply.status {
                 s.queues = status.queues;
-                s.cache_bounds = status.cache_bounds;
-                s.cache_evidence = status.cache_evidence;
-                s.reused_keys = status.reused_keys;
             }
         });
         if answered.is_some() {

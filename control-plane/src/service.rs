@@ -257,7 +257,6 @@ impl ControlPlane for ControlPlaneService {
         let name = view.endpoint.endpoint_name.as_str();
         for d in &mut data_planes {
             d.queues.retain(|q| q.endpoint_name == name);
-            d.cache_bounds.retain(|b| b.endpoint_name == name);
         }
         Ok(Response::new(DescribeEndpointResponse {
             endpoint: Some(view.endpoint),

@@ -139,7 +139,6 @@ mod tests {
             version: 7,
             nonce: "n".into(),
             routing_table: table.encode_to_vec().into(),
-            ..Default::default()
         };
         let back = RoutingTable::decode(resp.routing_table).unwrap();
         assert_eq!(back, table);

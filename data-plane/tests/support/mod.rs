@@ -88,7 +88,6 @@ impl RoutingDiscovery for MockService {
                             version: table.version,
                             nonce: format!("n{}", nonce.fetch_add(1, SeqCst)),
                             routing_table: table.encode_to_vec().into(),
-                            ..Default::default()
                         };
                         if tx.send(Ok(response)).await.is_err() {
                             return;

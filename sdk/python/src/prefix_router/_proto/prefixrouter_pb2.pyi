@@ -224,7 +224,7 @@ class DescribeEndpointRequest(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ...) -> None: ...
 
 class DataPlaneStatus(_message.Message):
-    __slots__ = ("node_id", "applied_version", "up_to_date", "connected", "last_seen_unix_ms", "last_nack", "queues", "cache_bounds")
+    __slots__ = ("node_id", "applied_version", "up_to_date", "connected", "last_seen_unix_ms", "last_nack", "queues")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
@@ -232,7 +232,6 @@ class DataPlaneStatus(_message.Message):
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_NACK_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
-    CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     applied_version: int
     up_to_date: bool
@@ -240,8 +239,7 @@ class DataPlaneStatus(_message.Message):
     last_seen_unix_ms: int
     last_nack: str
     queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
-    cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
-    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., up_to_date: _Optional[bool] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., last_nack: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., up_to_date: _Optional[bool] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., last_nack: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ...) -> None: ...
 
 class DescribeEndpointResponse(_message.Message):
     __slots__ = ("endpoint", "endpoint_config", "registered_instances", "current_routing_table_version", "data_planes")
@@ -374,50 +372,10 @@ class WatchRoutingTableRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., response_nonce: _Optional[str] = ..., error_detail: _Optional[str] = ..., status: _Optional[_Union[RouterStatus, _Mapping]] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("queues", "cache_bounds", "cache_evidence", "reused_keys")
+    __slots__ = ("queues",)
     QUEUES_FIELD_NUMBER: _ClassVar[int]
-    CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
-    CACHE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
-    REUSED_KEYS_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[EndpointQueue]
-    cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
-    cache_evidence: _containers.RepeatedCompositeFieldContainer[CacheEvidence]
-    reused_keys: _containers.RepeatedCompositeFieldContainer[ReusedKeys]
-    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ..., cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ..., reused_keys: _Optional[_Iterable[_Union[ReusedKeys, _Mapping]]] = ...) -> None: ...
-
-class ReusedKeys(_message.Message):
-    __slots__ = ("endpoint_name", "variant_name", "keys")
-    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
-    VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    endpoint_name: str
-    variant_name: str
-    keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, endpoint_name: _Optional[str] = ..., variant_name: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class CacheEvidence(_message.Message):
-    __slots__ = ("endpoint_name", "variant_name", "instance_id", "revisits", "misses")
-    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
-    VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    REVISITS_FIELD_NUMBER: _ClassVar[int]
-    MISSES_FIELD_NUMBER: _ClassVar[int]
-    endpoint_name: str
-    variant_name: str
-    instance_id: str
-    revisits: int
-    misses: int
-    def __init__(self, endpoint_name: _Optional[str] = ..., variant_name: _Optional[str] = ..., instance_id: _Optional[str] = ..., revisits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
-
-class CacheBound(_message.Message):
-    __slots__ = ("endpoint_name", "variant_name", "keys")
-    ENDPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
-    VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    endpoint_name: str
-    variant_name: str
-    keys: int
-    def __init__(self, endpoint_name: _Optional[str] = ..., variant_name: _Optional[str] = ..., keys: _Optional[int] = ...) -> None: ...
+    def __init__(self, queues: _Optional[_Iterable[_Union[EndpointQueue, _Mapping]]] = ...) -> None: ...
 
 class EndpointQueue(_message.Message):
     __slots__ = ("endpoint_name", "critical", "standard", "sheddable")
@@ -432,17 +390,11 @@ class EndpointQueue(_message.Message):
     def __init__(self, endpoint_name: _Optional[str] = ..., critical: _Optional[int] = ..., standard: _Optional[int] = ..., sheddable: _Optional[int] = ...) -> None: ...
 
 class WatchRoutingTableResponse(_message.Message):
-    __slots__ = ("version", "nonce", "routing_table", "fleet_cache_bounds", "fleet_cache_evidence", "fleet_reused_keys")
+    __slots__ = ("version", "nonce", "routing_table")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ROUTING_TABLE_FIELD_NUMBER: _ClassVar[int]
-    FLEET_CACHE_BOUNDS_FIELD_NUMBER: _ClassVar[int]
-    FLEET_CACHE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
-    FLEET_REUSED_KEYS_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     routing_table: bytes
-    fleet_cache_bounds: _containers.RepeatedCompositeFieldContainer[CacheBound]
-    fleet_cache_evidence: _containers.RepeatedCompositeFieldContainer[CacheEvidence]
-    fleet_reused_keys: _containers.RepeatedCompositeFieldContainer[ReusedKeys]
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ..., fleet_cache_bounds: _Optional[_Iterable[_Union[CacheBound, _Mapping]]] = ..., fleet_cache_evidence: _Optional[_Iterable[_Union[CacheEvidence, _Mapping]]] = ..., fleet_reused_keys: _Optional[_Iterable[_Union[ReusedKeys, _Mapping]]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., routing_table: _Optional[bytes] = ...) -> None: ...
