@@ -83,6 +83,14 @@ struct Slot {
     capacity: f64,
 }
 
+/// One reported request's time in flight (seconds) and this router's requests in flight on its
+/// instance when it started.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    pub seconds: f64,
+    pub queued: u64,
+}
+
 /// What the index predicted for one placed request, held until its engine reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Prediction {
@@ -119,27 +127,25 @@ impl LatencyFit {
         }
     }
 
-    /// One queued request's cost in prefill bytes: `per_queued / per_byte` once the samples
-    /// spread in both misses and queues; before any queue was seen (a router that never had to
-    /// queue), `fixed / per_byte` of the line over misses alone, as an engine that serves one
-    /// request at a time would make a queued request cost; `None` until the misses spread.
-    pub fn queued_bytes(&self, min_samples: f64) -> Option<f64> {
+    /// The plane as far as the samples determine it: `None` until there are `min_samples` and
+    /// their misses spread (by a block or so); without a spread in queues (a tenth of a
+    /// request), the line over misses alone (`per_queued` `None`).
+    fn model(&self, min_samples: f64) -> Option<Model> {
         let n = self.vv[0][0];
         if n < min_samples {
             return None;
         }
-        // misses must vary by a block or so, a queue by a tenth of a request
         let var = |i: usize| self.vv[i][i] / n - (self.vv[0][i] / n).powi(2);
         if var(1) < 1.0 {
             return None;
         }
-        let per_block_bytes = |per_block: f64, cost: f64| {
-            (per_block > 0.0 && cost >= 0.0)
-                .then(|| (cost / per_block * BLOCK_BYTES as f64).clamp(0.0, 1e9))
-        };
         if var(2) >= 0.01 {
-            let [_, per_block, per_queued] = solve3(self.vv, self.vy)?;
-            return per_block_bytes(per_block, per_queued);
+            let [fixed, per_block, per_queued] = solve3(self.vv, self.vy)?;
+            return Some(Model {
+                fixed,
+                per_block,
+                per_queued: Some(per_queued),
+            });
         }
         let (a, y) = (
             [
@@ -152,9 +158,36 @@ impl LatencyFit {
         if det.abs() < 1e-12 {
             return None;
         }
-        let fixed = (y[0] * a[1][1] - a[0][1] * y[1]) / det;
-        let per_block = (a[0][0] * y[1] - a[1][0] * y[0]) / det;
-        per_block_bytes(per_block, fixed)
+        Some(Model {
+            fixed: (y[0] * a[1][1] - a[0][1] * y[1]) / det,
+            per_block: (a[0][0] * y[1] - a[1][0] * y[0]) / det,
+            per_queued: None,
+        })
+    }
+
+    /// One queued request's cost in prefill bytes: `per_queued / per_byte` once the samples
+    /// spread in both misses and queues; before any queue was seen (a router that never had to
+    /// queue), `fixed / per_byte` of the line over misses alone, as an engine that serves one
+    /// request at a time would make a queued request cost; `None` until the misses spread.
+    pub fn queued_bytes(&self, min_samples: f64) -> Option<f64> {
+        let m = self.model(min_samples)?;
+        m.bytes(m.per_queued.unwrap_or(m.fixed))
+    }
+}
+
+/// The latency fit's coefficients (seconds; per block of misses; per request queued before).
+#[derive(Debug, Clone, Copy)]
+struct Model {
+    fixed: f64,
+    per_block: f64,
+    per_queued: Option<f64>,
+}
+
+impl Model {
+    /// `seconds` in prefill bytes (`None` where the fit makes prefill free or time negative).
+    fn bytes(&self, seconds: f64) -> Option<f64> {
+        (self.per_block > 0.0 && seconds >= 0.0)
+            .then(|| (seconds / self.per_block * BLOCK_BYTES as f64).clamp(0.0, 1e9))
     }
 }
 
@@ -192,6 +225,8 @@ struct Inner {
     ids: Vec<u64>,
     slot_of: Vec<u32>,
     fit: LatencyFit,
+    /// `fit`'s coefficients as of its last sample.
+    model: Option<Model>,
 }
 
 /// The per-instance prefix index of one PREFIX_AWARE variant (see the module doc).
@@ -223,20 +258,15 @@ impl PrefixIndex {
 
     /// What the engine reported for a request the index predicted: its capacity estimate
     /// follows (see the module doc), and the request's time in flight with the requests queued
-    /// before it (`(seconds, queued)`) joins the latency fit.
-    pub fn learn(
-        &self,
-        p: Prediction,
-        cached_bytes: u32,
-        timing: Option<(f64, u64)>,
-        tuning: &Tuning,
-    ) {
+    /// before it ([`Timing`]) joins the latency fit; the fit is solved again for the decisions.
+    pub fn learn(&self, p: Prediction, cached_bytes: u32, timing: Option<Timing>, tuning: &Tuning) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((seconds, queued)) = timing {
+        if let Some(t) = timing {
             let miss = p.prompt_bytes.saturating_sub(cached_bytes) as f64;
             inner
                 .fit
-                .add(miss, queued as f64, seconds, tuning.fit_window);
+                .add(miss, t.queued as f64, t.seconds, tuning.fit_window);
+            inner.model = inner.fit.model(tuning.fit_min_samples);
         }
         let Some(s) = inner.slots.iter().position(|s| s.id == p.instance) else {
             return;
@@ -304,8 +334,8 @@ impl Inner {
     }
 
     fn request_bytes(&self, tuning: &Tuning) -> f64 {
-        self.fit
-            .queued_bytes(tuning.fit_min_samples)
+        self.model
+            .and_then(|m| m.bytes(m.per_queued.unwrap_or(m.fixed)))
             .unwrap_or(tuning.request_bytes)
     }
 

@@ -19,7 +19,7 @@ use tokio::time::Sleep;
 use crate::decision::Decision;
 use crate::load::{now_ms, InFlight};
 use crate::placement::Tuning;
-use crate::prefix_index::Prediction;
+use crate::prefix_index::{Prediction, Timing};
 use crate::route_stats::RouteStats;
 use crate::spans::{end_trace, BodyTrace};
 use crate::upstream::Conn;
@@ -125,8 +125,10 @@ impl Outcome {
             let cached_bytes = (u64::from(p.prompt_bytes) * cached)
                 .checked_div(report.prompt_tokens)
                 .unwrap_or(0) as u32;
-            let seconds = in_flight.elapsed().as_secs_f64();
-            let sample = (seconds, in_flight.queued());
+            let sample = Timing {
+                seconds: in_flight.elapsed().as_secs_f64(),
+                queued: in_flight.queued(),
+            };
             in_flight
                 .variant()
                 .index()
