@@ -104,6 +104,8 @@ struct Inner {
     /// Tokens per block, from the events (0 until one arrives).
     block_size: u32,
     ids: Vec<u64>,
+    /// Instance id hash -> its slot (every event looks it up).
+    slot_of: Map<u32>,
 }
 
 /// Counts of what the index refused, for metrics.
@@ -211,7 +213,8 @@ impl KvIndex {
     /// Forgets instance `id` altogether (it left the table).
     pub fn remove(&self, id: u64) {
         let mut inner = self.lock();
-        if let Some(s) = inner.slots.iter().position(|slot| slot.id == id) {
+        if let Some(s) = inner.slot_of.remove(&id) {
+            let s = s as usize;
             inner.clear(s);
             inner.slots[s] = Slot::default();
         }
@@ -290,8 +293,8 @@ fn indexed(medium: Option<&str>, group: Option<u32>) -> bool {
 
 impl Inner {
     fn slot(&mut self, id: u64) -> usize {
-        if let Some(s) = self.slots.iter().position(|slot| slot.id == id) {
-            return s;
+        if let Some(&s) = self.slot_of.get(&id) {
+            return s as usize;
         }
         let at = self
             .ids
@@ -303,7 +306,7 @@ impl Inner {
             at,
             ..Slot::default()
         };
-        match self.slots.iter().position(|slot| slot.id == 0) {
+        let s = match self.slots.iter().position(|slot| slot.id == 0) {
             Some(s) => {
                 self.slots[s] = slot;
                 s
@@ -312,16 +315,23 @@ impl Inner {
                 self.slots.push(slot);
                 self.slots.len() - 1
             }
-        }
+        };
+        self.slot_of.insert(id, s as u32);
+        s
     }
 
     fn sync(&mut self, ids: &[u64]) {
         self.ids = ids.to_vec();
+        let at: Map<u32> = ids
+            .iter()
+            .enumerate()
+            .map(|(p, &id)| (id, p as u32))
+            .collect();
         for slot in &mut self.slots {
-            slot.at = ids
-                .iter()
-                .position(|&i| i == slot.id && slot.id != 0)
-                .map_or(u32::MAX, |p| p as u32);
+            slot.at = match slot.id {
+                0 => u32::MAX,
+                id => at.get(&id).copied().unwrap_or(u32::MAX),
+            };
         }
     }
 

@@ -56,9 +56,9 @@ impl Placement {
         v.load().index().with(ids, &self.tuning, |index| {
             index.matches(prompt.blocks, depth);
             let request = index.request_bytes();
-            // One pass: each instance's cost on what the index knows, and the key's rendezvous
-            // top (every replica sends a cold key there), which is then taken to hold at least
-            // the key: that only lowers the top's cost, so it is weighed after the pass.
+            // Each instance's cost on what the index knows; the key's rendezvous top is then
+            // taken to hold at least the key: that only lowers the top's cost, so it is weighed
+            // after the others.
             let exact = |i: usize| prompt.exact.get(i).copied().flatten();
             let known = |i: usize| match exact(i) {
                 Some(d) => (d as f64 * prompt.exact_block_bytes).min(total),
@@ -76,22 +76,32 @@ impl Placement {
                 }
             };
             let mut best: Option<(usize, Standing)> = None;
-            let mut top: Option<(usize, u64)> = None;
             let mut most_known = 0.0f64;
-            for (i, inst) in instances.iter().enumerate() {
-                let score = rendezvous_score(prompt.key, ids[i]);
-                if top.is_none_or(|(_, s)| score > s) {
-                    top = Some((i, score));
-                }
-                if inst.state().is_ejected(now) {
-                    continue;
-                }
+            // no cost is below the prompt's miss: an instance that would not beat the best even
+            // with no queue and room to spare is looked at no further (most of a large fleet)
+            let mut weigh = |i: usize, score: u64| {
                 let h = known(i);
+                if let Some((_, b)) = best {
+                    if !b.over && (total - h, std::cmp::Reverse(score)) > (b.cost, b.score) {
+                        return;
+                    }
+                }
+                if instances[i].state().is_ejected(now) {
+                    return;
+                }
                 most_known = most_known.max(h);
                 let s = standing(i, h, score);
                 if best.is_none_or(|(_, b)| s < b) {
                     best = Some((i, s));
                 }
+            };
+            let mut top: Option<(usize, u64)> = None;
+            for (i, &id) in ids.iter().enumerate() {
+                let score = rendezvous_score(prompt.key, id);
+                if top.is_none_or(|(_, s)| score > s) {
+                    top = Some((i, score));
+                }
+                weigh(i, score);
             }
             let (top, top_score) = top?;
             let top_held = known(top).max((prompt.key_bytes as f64).min(total));
