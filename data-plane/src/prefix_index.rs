@@ -170,8 +170,7 @@ impl LatencyFit {
     /// queue), `fixed / per_byte` of the line over misses alone, as an engine that serves one
     /// request at a time would make a queued request cost; `None` until the misses spread.
     pub fn queued_bytes(&self, min_samples: f64) -> Option<f64> {
-        let m = self.model(min_samples)?;
-        m.bytes(m.per_queued.unwrap_or(m.fixed))
+        self.model(min_samples)?.queued_bytes()
     }
 }
 
@@ -184,8 +183,10 @@ struct Model {
 }
 
 impl Model {
-    /// `seconds` in prefill bytes (`None` where the fit makes prefill free or time negative).
-    fn bytes(&self, seconds: f64) -> Option<f64> {
+    /// See [`LatencyFit::queued_bytes`]: a queued request's time (the fixed time when no queue
+    /// was fitted) in prefill bytes; `None` where the fit makes prefill free or time negative.
+    fn queued_bytes(&self) -> Option<f64> {
+        let seconds = self.per_queued.unwrap_or(self.fixed);
         (self.per_block > 0.0 && seconds >= 0.0)
             .then(|| (seconds / self.per_block * BLOCK_BYTES as f64).clamp(0.0, 1e9))
     }
@@ -335,7 +336,7 @@ impl Inner {
 
     fn request_bytes(&self, tuning: &Tuning) -> f64 {
         self.model
-            .and_then(|m| m.bytes(m.per_queued.unwrap_or(m.fixed)))
+            .and_then(|m| m.queued_bytes())
             .unwrap_or(tuning.request_bytes)
     }
 
