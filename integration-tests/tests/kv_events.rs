@@ -72,19 +72,8 @@ fn chat(document: &str) -> Vec<u8> {
 
 /// POSTs a chat to `base`; the instance the router chose (its response header), or "" direct.
 async fn post(base: &str, body: &[u8]) -> String {
-    let http: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let req = http::Request::post(format!("{base}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::copy_from_slice(body)))
-        .unwrap();
-    let resp = http.request(req).await.unwrap();
-    let status = resp.status();
-    let instance = resp
-        .headers()
-        .get("x-prefix-router-instance")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let url = format!("{base}/v1/chat/completions");
+    let (status, body, instance) = kv_common::send("POST", &url, body.to_vec()).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     instance
 }

@@ -16,11 +16,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use chat_tokens::{ChatTokenizer, RequestKind};
-use http_body_util::{BodyExt as _, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use integration_tests::InProcessControlPlane;
 
 mod kv_common;
@@ -127,22 +123,8 @@ fn free_ports(n: usize) -> u16 {
 }
 
 async fn request(method: &str, url: &str, body: Option<&Value>) -> (u16, Value, String) {
-    let http: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let bytes = body.map(|b| b.to_string()).unwrap_or_default();
-    let req = http::Request::builder()
-        .method(method)
-        .uri(url)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(bytes)))
-        .unwrap();
-    let resp = http.request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let instance = resp
-        .headers()
-        .get("x-prefix-router-instance")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let (status, body, instance) = kv_common::send(method, url, bytes.into_bytes()).await;
     let value = serde_json::from_slice(&body)
         .unwrap_or(Value::String(String::from_utf8_lossy(&body).into_owned()));
     (status, value, instance)

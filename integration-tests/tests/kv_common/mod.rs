@@ -71,3 +71,27 @@ pub async fn start_routers(
     }
     routers
 }
+
+/// `method url` with a JSON `body`: the status, the response body, and the instance a router
+/// chose (its `x-prefix-router-instance` header; "" from an engine).
+pub async fn send(method: &str, url: &str, body: Vec<u8>) -> (u16, bytes::Bytes, String) {
+    use http_body_util::BodyExt as _;
+    let http: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let req = http::Request::builder()
+        .method(method)
+        .uri(url)
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let instance = resp
+        .headers()
+        .get("x-prefix-router-instance")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, body, instance)
+}
