@@ -59,11 +59,17 @@ pub struct Conversations {
     pub model: Arc<str>,
 }
 
-/// Who sends it: `concurrency` clients spread over `routers`, each sending until `stop_at`.
+/// How long after the run's end a request may still take before it counts as failed: a router
+/// that never answers must not hold the bench (and the runs after it) forever.
+pub const LAST_ANSWER_GRACE: Duration = Duration::from_secs(30);
+
+/// Who sends it: `concurrency` clients spread over `routers`, each sending until `stop_at`; a
+/// request unanswered `grace` after `stop_at` fails.
 pub struct Clients {
     pub routers: Vec<String>,
     pub concurrency: usize,
     pub stop_at: Instant,
+    pub grace: Duration,
 }
 
 /// Runs the `clients` with their `conversations`, sending each sample down `out`.
@@ -87,6 +93,7 @@ pub async fn run_clients(
         routers,
         concurrency,
         stop_at,
+        grace,
     } = clients;
     let mut tasks = tokio::task::JoinSet::new();
     for client in 0..concurrency {
@@ -107,7 +114,7 @@ pub async fn run_clients(
                 let req = state.next(&w, &docs, last_reply.take());
                 let body = Bytes::from(req.body(&model));
                 let started = Instant::now();
-                let result = send(&http, &url, body, started).await;
+                let result = send_by(&http, &url, body, started, stop_at + grace).await;
                 let done = Instant::now();
                 let finished = match result {
                     Ok(s) => {
@@ -148,6 +155,24 @@ pub async fn run_clients(
         });
     }
     while tasks.join_next().await.is_some() {}
+}
+
+/// [`send`], failed at `deadline` if not done by then.
+async fn send_by(
+    http: &HttpClient,
+    url: &http::Uri,
+    body: Bytes,
+    started: Instant,
+    deadline: Instant,
+) -> anyhow::Result<Streamed> {
+    let deadline = tokio::time::Instant::from_std(deadline);
+    match tokio::time::timeout_at(deadline, send(http, url, body, started)).await {
+        Ok(result) => result,
+        Err(_) => anyhow::bail!(
+            "no whole answer {:.1} s after it was sent (the run had ended)",
+            started.elapsed().as_secs_f64()
+        ),
+    }
 }
 
 async fn send(
@@ -265,6 +290,36 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_router_that_never_answers_fails_the_request_at_the_deadline() {
+        // accepts, reads, never answers
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: http::Uri = format!(
+            "http://{}/v1/chat/completions",
+            listener.local_addr().unwrap()
+        )
+        .parse()
+        .unwrap();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                open.push(socket);
+            }
+        });
+        let started = Instant::now();
+        let result = send_by(
+            &super::super::metrics::http_client(),
+            &url,
+            Bytes::from_static(b"{}"),
+            started,
+            started + Duration::from_millis(300),
+        )
+        .await;
+        let error = format!("{:#}", result.err().expect("no answer is an error"));
+        assert!(error.contains("no whole answer"), "{error}");
+        held.abort();
+    }
 
     #[test]
     fn reassembles_split_sse_events() {
