@@ -64,12 +64,11 @@ pub struct Conversations {
 pub const LAST_ANSWER_GRACE: Duration = Duration::from_secs(30);
 
 /// Who sends it: `concurrency` clients spread over `routers`, each sending until `stop_at`; a
-/// request unanswered `grace` after `stop_at` fails.
+/// request unanswered [`LAST_ANSWER_GRACE`] after `stop_at` fails.
 pub struct Clients {
     pub routers: Vec<String>,
     pub concurrency: usize,
     pub stop_at: Instant,
-    pub grace: Duration,
 }
 
 /// Runs the `clients` with their `conversations`, sending each sample down `out`.
@@ -93,7 +92,6 @@ pub async fn run_clients(
         routers,
         concurrency,
         stop_at,
-        grace,
     } = clients;
     let mut tasks = tokio::task::JoinSet::new();
     for client in 0..concurrency {
@@ -114,7 +112,7 @@ pub async fn run_clients(
                 let req = state.next(&w, &docs, last_reply.take());
                 let body = Bytes::from(req.body(&model));
                 let started = Instant::now();
-                let result = send_by(&http, &url, body, started, stop_at + grace).await;
+                let result = send_by(&http, &url, body, started, stop_at + LAST_ANSWER_GRACE).await;
                 let done = Instant::now();
                 let finished = match result {
                     Ok(s) => {
